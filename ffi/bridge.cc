@@ -1,0 +1,194 @@
+// jax_dg's one XLA FFI handler: every op's custom call lands here, on "cpu" and on "CUDA".
+//
+// It knows no op. It hands XLA's buffers to Python as torch tensors made through DLPack
+// (views of XLA's memory, never copies), together with XLA's stream and device, and calls the
+// Python callable that jax_dg prepared for this call site. A Python exception becomes an FFI
+// error carrying its message, so the JAX program sees an error and the process lives on.
+//
+// Two caches keep the hot path to a few dictionary lookups:
+//   sites: the `site` attribute string (op name + static attributes) -> prepared callable;
+//   views: (pointer, dtype, shape, device) -> torch tensor viewing that memory.
+// Both are touched only with the GIL held.
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum class Platform : int { kCpu = 0, kCuda = 1 };
+
+// Python hooks, set once by jax_dg.core.bridge. Heap objects that are never freed: their
+// destructors must not run after the interpreter is gone.
+nb::object* g_prepare = nullptr;  // prepare(site: str, platform: str) -> callable
+nb::object* g_retype = nullptr;   // retype(tensor, xla_dtype: int) -> tensor (fp8 views)
+auto* g_sites = new std::unordered_map<std::string, nb::object>();
+auto* g_views = new std::unordered_map<std::string, nb::object>();
+constexpr size_t kMaxViews = 4096;  // XLA reuses addresses; bound the cache all the same
+
+// DLPack type of an XLA element type. FP8 travels as uint8 and is re-typed in Python
+// (`retype`): DLPack's FP8 codes are newer than some torch builds we must load.
+bool DlpackType(ffi::DataType t, nb::dlpack::dtype* out, bool* needs_retype) {
+  using C = nb::dlpack::dtype_code;
+  auto set = [&](C code, int bits) {
+    *out = nb::dlpack::dtype{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+    return true;
+  };
+  *needs_retype = false;
+  switch (t) {
+    case ffi::DataType::PRED: return set(C::Bool, 8);
+    case ffi::DataType::S8: return set(C::Int, 8);
+    case ffi::DataType::S16: return set(C::Int, 16);
+    case ffi::DataType::S32: return set(C::Int, 32);
+    case ffi::DataType::S64: return set(C::Int, 64);
+    case ffi::DataType::U8: return set(C::UInt, 8);
+    case ffi::DataType::U16: return set(C::UInt, 16);
+    case ffi::DataType::U32: return set(C::UInt, 32);
+    case ffi::DataType::U64: return set(C::UInt, 64);
+    case ffi::DataType::F16: return set(C::Float, 16);
+    case ffi::DataType::F32: return set(C::Float, 32);
+    case ffi::DataType::F64: return set(C::Float, 64);
+    case ffi::DataType::BF16: return set(C::Bfloat, 16);
+    case ffi::DataType::F8E4M3FN:
+    case ffi::DataType::F8E5M2:
+      *needs_retype = true;
+      return set(C::UInt, 8);
+    default: return false;
+  }
+}
+
+// A torch tensor viewing `buf`, from the cache when XLA hands us the same memory again.
+nb::object View(const ffi::AnyBuffer& buf, Platform platform, int32_t device) {
+  ffi::DataType dtype = buf.element_type();
+  auto dims = buf.dimensions();
+  void* data = buf.untyped_data();
+
+  std::string key;
+  key.reserve(32 + 8 * dims.size());
+  auto put = [&key](const void* p, size_t n) { key.append(static_cast<const char*>(p), n); };
+  put(&data, sizeof(data));
+  int32_t head[3] = {static_cast<int32_t>(dtype), static_cast<int32_t>(platform), device};
+  put(head, sizeof(head));
+  for (int64_t d : dims) put(&d, sizeof(d));
+
+  auto it = g_views->find(key);
+  if (it != g_views->end()) return it->second;
+
+  nb::dlpack::dtype dl;
+  bool retype = false;
+  if (!DlpackType(dtype, &dl, &retype)) {
+    throw nb::type_error(("jax_dg bridge: unsupported XLA element type " +
+                          std::to_string(static_cast<int>(dtype))).c_str());
+  }
+  size_t shape[16];
+  if (dims.size() > 16) throw nb::value_error("jax_dg bridge: rank above 16");
+  for (size_t i = 0; i < dims.size(); ++i) shape[i] = static_cast<size_t>(dims[i]);
+  int dev_type = platform == Platform::kCuda ? nb::device::cuda::value : nb::device::cpu::value;
+  // No owner: XLA owns the memory and keeps it alive for the duration of the call.
+  nb::ndarray<nb::pytorch> arr(data, dims.size(), shape, nb::handle(), nullptr, dl, dev_type,
+                               platform == Platform::kCuda ? device : 0);
+  // `reference`: without an owner nanobind would otherwise copy the data.
+  nb::object tensor = arr.cast(nb::rv_policy::reference);
+  if (retype) tensor = (*g_retype)(tensor, static_cast<int>(dtype));
+
+  if (g_views->size() >= kMaxViews) g_views->clear();
+  g_views->emplace(std::move(key), tensor);
+  return tensor;
+}
+
+const nb::object& Site(std::string_view site, Platform platform) {
+  std::string key(site);
+  key.push_back(platform == Platform::kCuda ? 'G' : 'C');
+  auto it = g_sites->find(key);
+  if (it != g_sites->end()) return it->second;
+  nb::object fn = (*g_prepare)(nb::str(site.data(), site.size()),
+                               platform == Platform::kCuda ? "cuda" : "cpu");
+  return g_sites->emplace(std::move(key), std::move(fn)).first->second;
+}
+
+ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_view site,
+                ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (g_prepare == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_dg bridge: called before jax_dg.core.bridge installed its hooks");
+  }
+  nb::gil_scoped_acquire gil;
+  try {
+    const nb::object& fn = Site(site, platform);
+    nb::list ins, outs;
+    for (size_t i = 0; i < args.size(); ++i) {
+      auto buf = args.get<ffi::AnyBuffer>(i);
+      if (!buf.has_value()) return buf.error();
+      ins.append(View(*buf, platform, device));
+    }
+    for (size_t i = 0; i < rets.size(); ++i) {
+      auto buf = rets.get<ffi::AnyBuffer>(i);
+      if (!buf.has_value()) return buf.error();
+      outs.append(View(**buf, platform, device));
+    }
+    fn(reinterpret_cast<uintptr_t>(stream), device, ins, outs);
+  } catch (nb::python_error& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  } catch (std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CpuCall(std::string_view site, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Call(Platform::kCpu, nullptr, 0, site, args, rets);
+}
+
+ffi::Error CudaCall(void* stream, int32_t device, std::string_view site, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets) {
+  return Call(Platform::kCuda, stream, device, site, args, rets);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCpuCall, CpuCall,
+                              ffi::Ffi::Bind()
+                                  .Attr<std::string_view>("site")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaCall, CudaCall,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<std::string_view>("site")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+NB_MODULE(_bridge, m) {
+  m.doc() = "jax_dg's generic XLA FFI handler (see ffi/bridge.cc)";
+  m.def("handlers", []() {
+    nb::dict d;
+    d["cpu"] = nb::capsule(reinterpret_cast<void*>(JaxDgCpuCall));
+    d["CUDA"] = nb::capsule(reinterpret_cast<void*>(JaxDgCudaCall));
+    return d;
+  });
+  m.def("install", [](nb::object prepare, nb::object retype) {
+    delete g_prepare;
+    delete g_retype;
+    g_prepare = new nb::object(std::move(prepare));
+    g_retype = new nb::object(std::move(retype));
+    g_sites->clear();
+    g_views->clear();
+  });
+  m.def("clear_caches", []() {
+    g_sites->clear();
+    g_views->clear();
+  });
+  m.def("cache_sizes", []() { return nb::make_tuple(g_sites->size(), g_views->size()); });
+}

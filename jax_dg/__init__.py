@@ -1,0 +1,18 @@
+"""jax_dg: DeepGEMM's kernels as XLA FFI custom calls for JAX.
+
+Import order matters: jax is imported before the compiled bridge (jax_dg.core.bridge).
+"""
+
+import jax  # noqa: F401  (must precede the extension, see jax_dg/core/bridge.py)
+
+from jax_dg.backends import ENV as BACKEND_ENV
+from jax_dg.core.checks import ArgumentError
+from jax_dg.ops.gemm import fp8_gemm_nt
+from jax_dg.quant import (
+    calc_diff,
+    ceil_to_ue8m0,
+    per_block_cast_to_fp8,
+    per_token_cast_to_fp8,
+)
+
+__version__ = "0.1.0"

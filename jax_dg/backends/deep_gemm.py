@@ -1,0 +1,157 @@
+"""The DeepGEMM backend: finds the package lazily and resolves kernels across versions.
+
+Like vLLM's wrapper: an installed `deep_gemm` first, then `vllm.third_party.deep_gemm`;
+symbols by name, newest first, legacy names after; arguments adapted where versions differ;
+a missing kernel is an error that names it and says how to get it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import types
+from typing import Any, Callable
+
+INSTALL_HINT = (
+    "Install DeepGEMM built for your torch (e.g. `pip install deep_gemm` from "
+    "https://github.com/deepseek-ai/DeepGEMM, or a wheel such as tokenspeed-deepgemm), "
+    "or run the torch reference with JAX_DG_BACKEND=torch."
+)
+
+# Public name -> names to try, newest first (DeepGEMM renamed kernels across releases).
+NAMES: dict[str, tuple[str, ...]] = {
+    "fp8_gemm_nt": ("fp8_gemm_nt", "fp8_fp4_gemm_nt", "gemm_fp8_fp8_bf16_nt"),
+    "fp8_gemm_nn": ("fp8_gemm_nn", "fp8_fp4_gemm_nn"),
+    "fp8_gemm_tn": ("fp8_gemm_tn", "fp8_fp4_gemm_tn"),
+    "fp8_gemm_tt": ("fp8_gemm_tt", "fp8_fp4_gemm_tt"),
+    "m_grouped_fp8_gemm_nt_contiguous": ("m_grouped_fp8_gemm_nt_contiguous",
+                                         "m_grouped_fp8_fp4_gemm_nt_contiguous",
+                                         "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"),
+    "m_grouped_fp8_gemm_nt_masked": ("m_grouped_fp8_gemm_nt_masked",
+                                     "fp8_m_grouped_gemm_nt_masked",
+                                     "m_grouped_fp8_fp4_gemm_nt_masked",
+                                     "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
+    "get_mn_major_tma_aligned_tensor": ("get_mn_major_tma_aligned_tensor",
+                                        "get_col_major_tma_aligned_tensor"),
+    "get_mk_alignment_for_contiguous_layout": ("get_mk_alignment_for_contiguous_layout",
+                                               "get_m_alignment_for_contiguous_layout"),
+}
+
+
+def _adapt_mqa_logits(legacy: Callable) -> Callable:
+    # DeepGEMM < 2.4: fp8_mqa_logits(q, kv, ...) takes q alone and has no logits_dtype.
+    def call(q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0, logits_dtype=None):
+        return legacy(q[0], kv, weights, ks, ke, clean_logits=clean_logits,
+                      max_seqlen_k=max_seqlen_k)
+    return call
+
+
+def _adapt_paged_mqa_logits(legacy: Callable) -> Callable:
+    def call(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+             clean_logits=False, logits_dtype=None, **kwargs):
+        return legacy(q[0], kv_cache, weights, context_lens, block_table, schedule_meta,
+                      max_context_len, clean_logits=clean_logits, **kwargs)
+    return call
+
+
+# Public name -> (legacy name, adapter turning the legacy callable into the new signature).
+ADAPTED: dict[str, tuple[str, Callable[[Callable], Callable]]] = {
+    "fp8_fp4_mqa_logits": ("fp8_mqa_logits", _adapt_mqa_logits),
+    "fp8_fp4_paged_mqa_logits": ("fp8_paged_mqa_logits", _adapt_paged_mqa_logits),
+}
+
+
+@functools.cache
+def module() -> types.ModuleType | None:
+    """The deep_gemm module, or None when neither source imports."""
+    os.environ.setdefault("DG_JIT_CACHE_DIR", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jax_dg", "deep_gemm"))
+    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+        except Exception:  # a vendored copy can fail in its _C.init(); try the next source
+            continue
+    return None
+
+
+def import_error() -> str | None:
+    """Why deep_gemm does not import (None when it does), for messages and `info`."""
+    try:
+        importlib.import_module("deep_gemm")
+        return None
+    except Exception as e:  # noqa: BLE001 - the message is the point
+        return f"{type(e).__name__}: {e}"
+
+
+def version() -> str | None:
+    dg = module()
+    return None if dg is None else getattr(dg, "__version__", "unknown")
+
+
+def resolve(name: str) -> Callable | None:
+    """The callable for kernel `name` in the installed DeepGEMM, adapted to the newest API."""
+    dg = module()
+    if dg is None:
+        return None
+    for candidate in NAMES.get(name, (name,)):
+        fn = getattr(dg, candidate, None)
+        if fn is not None:
+            return fn
+    if name in ADAPTED:
+        legacy, adapt = ADAPTED[name]
+        fn = getattr(dg, legacy, None)
+        if fn is not None:
+            return adapt(fn)
+    return None
+
+
+def missing_error(name: str) -> RuntimeError:
+    dg = module()
+    if dg is None:
+        where = f"deep_gemm is not importable ({import_error()})"
+    else:
+        where = (f"deep_gemm {version()} at {os.path.dirname(dg.__file__)} has no "
+                 f"{' / '.join(NAMES.get(name, (name,)))}")
+    return RuntimeError(f"jax_dg: DeepGEMM kernel `{name}` is unavailable: {where}. {INSTALL_HINT}")
+
+
+@functools.cache
+def device_arch(device: int = 0) -> str:
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def arch_family(device: int = 0) -> str:
+    arch = device_arch(device)
+    return "sm90" if arch.startswith("sm9") else "sm100" if arch.startswith("sm10") else arch
+
+
+class Kernels(types.SimpleNamespace):
+    """The resolved DeepGEMM kernels one op needs (what `Op.call` receives)."""
+
+    def __getattr__(self, name: str) -> Any:  # kernels outside op.kernels, resolved on demand
+        fn = resolve(name)
+        if fn is None:
+            raise missing_error(name)
+        setattr(self, name, fn)
+        return fn
+
+
+def kernels_for(op) -> Kernels:
+    family = arch_family()
+    if family not in op.archs:
+        raise RuntimeError(
+            f"jax_dg: `{op.name}` has a DeepGEMM kernel only on {', '.join(sorted(op.archs))}; "
+            f"this GPU is {device_arch()}. Its reference runs anywhere: "
+            f"JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla (pure JAX).")
+    found = {}
+    for name in op.kernels:
+        fn = resolve(name)
+        if fn is None:
+            raise missing_error(name)
+        found[name] = fn
+    return Kernels(**found)

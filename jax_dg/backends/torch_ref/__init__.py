@@ -1,0 +1,8 @@
+"""The torch reference backend: DeepGEMM's kernel API implemented in plain torch.
+
+Same names, arguments and output conventions as deep_gemm (outputs written into the given
+tensors), so an op's `call` runs unchanged on it. It runs on any device; the bridge uses it
+on CPU. Each family lives in its own module.
+"""
+
+from jax_dg.backends.torch_ref.gemm import *  # noqa: F401,F403

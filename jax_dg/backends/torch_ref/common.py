@@ -1,0 +1,20 @@
+"""Dequantisation helpers shared by the torch reference kernels."""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_scales(sf: torch.Tensor, rows: int, cols: int, gran_rows: int, gran_cols: int):
+    """A per-block scale grid blown up to one scale per element ([rows, cols])."""
+    sf = sf.float()
+    if gran_rows > 1:
+        sf = sf.repeat_interleave(gran_rows, dim=-2)
+    if gran_cols > 1:
+        sf = sf.repeat_interleave(gran_cols, dim=-1)
+    return sf[..., :rows, :cols]
+
+
+def dequant(x: torch.Tensor, sf: torch.Tensor, gran_rows: int, gran_cols: int) -> torch.Tensor:
+    """float32 values of an FP8 tensor whose last two dims carry block scales."""
+    return x.float() * expand_scales(sf, x.shape[-2], x.shape[-1], gran_rows, gran_cols)

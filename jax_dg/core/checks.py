@@ -1,0 +1,77 @@
+"""Trace-time argument checks: each failure names the op, the argument and the rule."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+
+
+class ArgumentError(ValueError):
+    """Bad input to a jax_dg op, caught while tracing."""
+
+
+class Checker:
+    """Collects the checks of one op call; `fail` raises ArgumentError("op: `arg` rule, got ...")."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def fail(self, arg: str, rule: str, got: Any = None) -> None:
+        msg = f"{self.op}: `{arg}` {rule}"
+        if got is not None:
+            msg += f", got {got}"
+        raise ArgumentError(msg)
+
+    def that(self, ok: bool, arg: str, rule: str, got: Any = None) -> None:
+        if not ok:
+            self.fail(arg, rule, got)
+
+    def array(self, x: Any, arg: str) -> None:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            self.fail(arg, "must be an array", type(x).__name__)
+
+    def dtype(self, x: Any, arg: str, *allowed: Any) -> None:
+        self.array(x, arg)
+        names = [jnp.dtype(d).name for d in allowed]
+        self.that(jnp.dtype(x.dtype).name in names, arg,
+                  f"must have dtype {' or '.join(names)}", jnp.dtype(x.dtype).name)
+
+    def ndim(self, x: Any, arg: str, ndim: int, layout: str) -> None:
+        self.array(x, arg)
+        self.that(len(x.shape) == ndim, arg, f"must be {ndim}-D {layout}", tuple(x.shape))
+
+    def shape(self, x: Any, arg: str, expected: Iterable[int], rule: str) -> None:
+        self.array(x, arg)
+        expected = tuple(int(e) for e in expected)
+        self.that(tuple(x.shape) == expected, arg, f"must have shape {rule} = {expected}",
+                  tuple(x.shape))
+
+    def tensor(self, x: Any, arg: str, dtypes: Iterable[Any], shape: Iterable[int], rule: str):
+        self.dtype(x, arg, *dtypes)
+        self.shape(x, arg, shape, rule)
+
+    def pair(self, x: Any, arg: str, second_optional: bool = False) -> tuple[Any, Any]:
+        """Unpacks the seed's (values, scales) tuple convention."""
+        if not isinstance(x, (tuple, list)) or len(x) != 2:
+            self.fail(arg, "must be a (values, scales) pair", type(x).__name__)
+        if x[1] is None and not second_optional:
+            self.fail(f"{arg}[1]", "(scales) must be given")
+        return x[0], x[1]
+
+    def static_int(self, v: Any, arg: str, minimum: int | None = None) -> int:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            self.fail(arg, "must be a static Python int (it sizes an output)", type(v).__name__)
+        v = int(v)
+        if minimum is not None:
+            self.that(v >= minimum, arg, f"must be >= {minimum}", v)
+        return v
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align(a: int, b: int) -> int:
+    return cdiv(a, b) * b

@@ -1,0 +1,1 @@
+"""The op declarations, one module per kernel family."""

@@ -1,0 +1,78 @@
+"""FP8 quantisers and the test metric, in JAX: DeepGEMM's formulas (deep_gemm/utils/math.py).
+
+Scale factor sf = max(amax of the block, 1e-4) / 448; with `use_ue8m0` it is rounded up to a
+power of two. Values are x * (1 / sf) cast to float8_e4m3fn.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dg.core.checks import align
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
+    """Rounds |x| (float32) up to the next power of two, as DeepGEMM's UE8M0 scales do."""
+    bits = jax.lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32), jnp.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.clip(exp, 1, 254) << 23, jnp.float32)
+
+
+def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
+    """Packs 4 power-of-two float32 scales (last axis) into one int32 of exponent bytes."""
+    if x.dtype != jnp.float32 or x.shape[-1] % 4:
+        raise ValueError("pack_ue8m0_to_int: `x` must be float32 with a last axis divisible by 4")
+    exps = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23).astype(jnp.uint8)
+    exps = exps.reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
+    return jax.lax.bitcast_convert_type(exps, jnp.int32)
+
+
+def _scale(amax: jax.Array, use_ue8m0: bool) -> jax.Array:
+    sf = jnp.maximum(amax, 1e-4) / FP8_MAX
+    return ceil_to_ue8m0(sf) if use_ue8m0 else sf
+
+
+def per_token_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int = 128):
+    """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
+    if x.ndim != 2:
+        raise ValueError(f"per_token_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
+    m, n = x.shape
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, align(n, gran_k) - n)))
+    xv = xp.reshape(m, -1, gran_k)
+    sf = _scale(jnp.abs(xv).max(axis=2), use_ue8m0)
+    values = (xv * (1.0 / sf)[:, :, None]).astype(FP8).reshape(m, -1)[:, :n]
+    return values, sf
+
+
+def per_block_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int = 128):
+    """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
+    if x.ndim != 2:
+        raise ValueError(f"per_block_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
+    m, n = x.shape
+    xp = jnp.pad(x.astype(jnp.float32), ((0, align(m, gran_k) - m), (0, align(n, gran_k) - n)))
+    xv = xp.reshape(xp.shape[0] // gran_k, gran_k, xp.shape[1] // gran_k, gran_k)
+    sf = _scale(jnp.abs(xv).max(axis=(1, 3), keepdims=True), use_ue8m0)
+    values = (xv * (1.0 / sf)).astype(FP8).reshape(xp.shape)[:m, :n]
+    return values, sf.reshape(xv.shape[0], xv.shape[2])
+
+
+def calc_diff(x, y):
+    """DeepGEMM's test metric, 1 - 2*sum(x*y) / sum(x^2 + y^2), computed in float64.
+
+    Concrete arrays are reduced on the host in float64 (a Python float comes back, as from
+    DeepGEMM's). Inside a trace it is a jnp expression, float64 only with jax_enable_x64.
+    """
+    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+        dt = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+        x, y = jnp.asarray(x).astype(dt), jnp.asarray(y).astype(dt)
+        den = (x * x + y * y).sum()
+        return jnp.where(den == 0, 0.0, 1.0 - 2.0 * (x * y).sum() / jnp.where(den == 0, 1, den))
+    x = np.asarray(x).astype(np.float64)
+    y = np.asarray(y).astype(np.float64)
+    den = float((x * x + y * y).sum())
+    return 0.0 if den == 0 else 1.0 - 2.0 * float((x * y).sum()) / den
