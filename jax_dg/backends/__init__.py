@@ -9,17 +9,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 ENV = "JAX_DG_BACKEND"
 CHOICES = ("auto", "deep_gemm", "torch", "xla")
 
 
-def requested() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+_override: list[str] = []
+
+
+def _check(value: str) -> str:
+    value = value.strip().lower() or "auto"
     if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(CHOICES)}")
+        raise ValueError(f"jax_dg backend {value!r}: choose one of {', '.join(CHOICES)}")
     return value
+
+
+def requested() -> str:
+    """The backend asked for now: the innermost `use_backend`, else $JAX_DG_BACKEND."""
+    return _override[-1] if _override else _check(os.environ.get(ENV, "auto"))
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Selects the backend for functions traced inside the block.
+
+    A jitted function keeps the backend it was traced with: jit a fresh function (or clear
+    its cache) to switch.
+    """
+    _override.append(_check(name))
+    try:
+        yield
+    finally:
+        _override.pop()
 
 
 def resolve(backend: str, platform: str) -> str:

@@ -52,43 +52,40 @@ def _prepare(site: str, platform: str) -> Callable:
     op_name, backend, present, static = json.loads(site)
     op = _OPS[op_name]
     kernels = backends.kernels(backend, platform, op)
-    call = functools.partial(op.call, kernels, **static)
-    slots = [c == "1" for c in present]
+    call = op.call
 
-    def run(stream: int, device: int, ins: list, outs: list) -> None:
-        it = iter(ins)
-        args = [next(it) if p else None for p in slots]
-        call(*args, *outs)
+    # One flat closure per call site: this runs on every call, keep it lean.
+    if "0" in present:
+        slots = [c == "1" for c in present]
 
-    if platform == "cuda":
-        return _OnXlaStream(run)
-    return lambda stream, device, ins, outs: run(stream, device, ins, outs)
+        def run(ins: list, outs: list) -> None:
+            it = iter(ins)
+            call(kernels, *[next(it) if p else None for p in slots], *outs, **static)
+    else:
+        def run(ins: list, outs: list) -> None:
+            call(kernels, *ins, *outs, **static)
 
+    if platform != "cuda":
+        return lambda stream, device, ins, outs: run(ins, outs)
 
-class _OnXlaStream:
-    """Runs a backend call with torch's current device and stream set to XLA's.
+    C = torch._C
 
-    DeepGEMM launches on torch's current stream; anything else would race with XLA. The
-    switch uses torch's stream ids directly (cached per XLA stream) and is undone after the
-    call, so torch code around a jitted function sees its own stream again.
-    """
-
-    def __init__(self, run: Callable):
-        self._run = run
-
-    def __call__(self, stream: int, device: int, ins: list, outs: list) -> None:
-        C = torch._C
+    def run_on_xla_stream(stream: int, device: int, ins: list, outs: list) -> None:
+        # DeepGEMM launches on torch's current stream: make it XLA's (and the device XLA's)
+        # for the call, then give torch its own back.
         prev_device = C._cuda_getDevice()
         if prev_device != device:
             C._cuda_setDevice(device)
         prev = C._cuda_getCurrentStream(device)
         C._cuda_setStream(*_torch_stream(stream, device))
         try:
-            self._run(stream, device, ins, outs)
+            run(ins, outs)
         finally:
             C._cuda_setStream(*prev[:3])
             if prev_device != device:
                 C._cuda_setDevice(prev_device)
+
+    return run_on_xla_stream
 
 
 @functools.lru_cache(maxsize=64)

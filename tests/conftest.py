@@ -1,0 +1,71 @@
+"""Shared fixtures. GPU tests (`-m gpu`) need a CUDA jax device and an importable deep_gemm."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+# Leave room on the GPU for torch/DeepGEMM beside XLA's pool (set before jax starts).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_dg  # noqa: E402
+
+
+def has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def has_deep_gemm() -> bool:
+    from jax_dg.backends import deep_gemm
+    return deep_gemm.module() is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu() and has_deep_gemm():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device for jax and an importable deep_gemm")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def keys():
+    """A fresh stream of PRNG keys per test (seeded by the test's name: reproducible)."""
+    seed = int(hashlib.sha256(os.environ.get("PYTEST_CURRENT_TEST", "").encode()).hexdigest()[:8], 16)
+    key = jax.random.PRNGKey(seed)
+
+    def next_key():
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return sub
+    return next_key
+
+
+def digest(*arrays) -> str:
+    """Hash of the bytes of arrays (pytrees allowed), to prove inputs are never written."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(arrays):
+        h.update(np.asarray(jax.device_get(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def to_torch(x):
+    """Zero-copy torch view of a jax array (FP8 through a uint8 bitcast)."""
+    import torch
+    import jax.numpy as jnp
+    if x.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        t = torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8))
+        return t.view(torch.float8_e4m3fn if x.dtype == jnp.float8_e4m3fn else torch.float8_e5m2)
+    return torch.from_dlpack(x)
+
+
+def bits(x) -> bytes:
+    return np.asarray(jax.device_get(x)).tobytes()
