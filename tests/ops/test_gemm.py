@@ -12,7 +12,8 @@ import pytest
 import jax_dg
 from tests.conftest import bits, digest, to_torch
 
-CPU_SHAPES = [(1, 256, 512), (64, 320, 384), (130, 2112, 1024), (128, 576, 7168), (7, 200, 200)]
+# K not a multiple of 128 where the contract allows (K % 16 == 0): 208, 576.
+CPU_SHAPES = [(1, 256, 512), (64, 320, 384), (130, 2112, 1024), (128, 576, 7168), (7, 200, 208), (3, 64, 576)]
 
 
 def make_inputs(keys, m, n, k):
@@ -44,11 +45,12 @@ def test_matches_reference_under_jit(keys, m, n, k):
     assert jax_dg.calc_diff(d, unquantised(x, w)) < 1e-3
 
 
-def test_accumulate_into_c(keys):
-    m, n, k = 48, 256, 512
-    x, w, a, b = make_inputs(keys, m, n, k)
+def test_accumulate_into_c_with_per_channel_recipe(keys):
+    m, n, k = 48, 256, 464
+    x, w, a, _ = make_inputs(keys, m, n, k)
+    b = jax_dg.per_token_cast_to_fp8(w)  # per-channel b scales [N, ceil(K/128)]: recipe (1, 1, 128)
     c = jax.random.normal(keys(), (m, n), jnp.float32)
-    f = lambda a, b, c: jax_dg.fp8_gemm_nt(a, b, c=c, out_dtype=jnp.float32)  # noqa: E731
+    f = lambda a, b, c: jax_dg.fp8_gemm_nt(a, b, c=c)  # noqa: E731
     d = run("auto", f, a, b, c)
     assert d.dtype == jnp.float32
     assert jax_dg.calc_diff(d, unquantised(x, w) + np.asarray(c)) < 1e-3
@@ -99,8 +101,9 @@ def test_backend_exception_becomes_jax_error_and_next_call_works(keys, monkeypat
 
 @pytest.mark.parametrize("case,arg", [
     ("a_dtype", "a[0]"), ("b_dtype", "b[0]"), ("sfa_shape", "a[1]"), ("sfb_shape", "b[1]"),
-    ("k_mismatch", "b[0]"), ("sfa_dtype", "a[1]"), ("c_shape", "c"), ("c_needs_f32", "out_dtype"),
-    ("not_a_pair", "a"), ("recipe", "recipe"), ("a_rank", "a[0]"),
+    ("k_mismatch", "b[0]"), ("sfa_dtype", "a[1]"), ("c_shape", "c"), ("c_needs_channel_recipe", "c"),
+    ("not_a_pair", "a"), ("recipe", "recipe"), ("a_rank", "a[0]"), ("k_align", "a[0]"),
+    ("out_dtype", "out_dtype"), ("channel_needs_c", "c"),
 ])
 def test_bad_inputs_fail_at_trace_time_naming_the_argument(keys, case, arg):
     _, _, (av, sa), (bv, sb) = make_inputs(keys, 16, 256, 256)
@@ -118,9 +121,16 @@ def test_bad_inputs_fail_at_trace_time_naming_the_argument(keys, case, arg):
     elif case == "sfa_dtype":
         a = (av, sa.astype(jnp.bfloat16))
     elif case == "c_shape":
-        kw = dict(c=jnp.zeros((16, 255), jnp.float32), out_dtype=jnp.float32)
-    elif case == "c_needs_f32":
+        b = (bv, jnp.ones((256, 2), jnp.float32))
+        kw = dict(c=jnp.zeros((16, 248), jnp.float32))
+    elif case == "c_needs_channel_recipe":
         kw = dict(c=jnp.zeros((16, 256), jnp.float32))
+    elif case == "k_align":
+        a, b = (av[:, :200], sa), (bv[:, :200], sb)
+    elif case == "out_dtype":
+        kw = dict(out_dtype=jnp.float16)
+    elif case == "channel_needs_c":
+        b = (bv, jnp.ones((256, 2), jnp.float32))
     elif case == "not_a_pair":
         a = av
     elif case == "recipe":
@@ -156,3 +166,22 @@ def test_gpu_matches_deep_gemm_from_torch(keys, m, n, k):
     first = bits(d)
     assert all(bits(f(a, b)) == first for _ in range(20))
     assert digest(a, b) == before, "inputs were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 4096, 7168)])
+def test_gpu_accumulate_matches_deep_gemm_from_torch(keys, m, n, k):
+    import deep_gemm
+    import torch
+    x, w, a, _ = make_inputs(keys, m, n, k)
+    b = jax_dg.per_token_cast_to_fp8(w)
+    c = jax.random.normal(keys(), (m, n), jnp.float32)
+    f = jax.jit(lambda a, b, c: jax_dg.fp8_gemm_nt(a, b, c=c))
+    d = f(a, b, c)
+    assert jax_dg.calc_diff(d, unquantised(x, w) + np.asarray(c)) < 1e-3
+    d_torch = to_torch(c).clone()
+    deep_gemm.fp8_gemm_nt((to_torch(a[0]), to_torch(a[1])), (to_torch(b[0]), to_torch(b[1])), d_torch,
+                          c=d_torch, recipe=(1, 1, 128))
+    torch.cuda.synchronize()
+    assert bits(d) == d_torch.cpu().numpy().tobytes()
+    assert all(bits(f(a, b, c)) == bits(d) for _ in range(5))
