@@ -1,0 +1,100 @@
+"""Backend selection and DeepGEMM symbol resolution (without a GPU: the error paths)."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_dg
+from jax_dg import backends
+from jax_dg.backends import deep_gemm as dg_backend
+
+
+def test_env_and_context_choose_the_backend(monkeypatch):
+    monkeypatch.setenv(backends.ENV, "torch")
+    assert backends.requested() == "torch"
+    with jax_dg.use_backend("xla"):
+        assert backends.requested() == "xla"
+    monkeypatch.setenv(backends.ENV, "bogus")
+    with pytest.raises(ValueError, match="choose one of"):
+        backends.requested()
+
+
+def test_auto_resolves_per_platform():
+    assert backends.resolve("auto", "cuda") == "deep_gemm"
+    assert backends.resolve("auto", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        backends.resolve("deep_gemm", "cpu")
+
+
+def test_deep_gemm_on_cpu_fails_at_run_time_with_the_reason(keys):
+    x = jax.random.normal(keys(), (16, 128), jnp.bfloat16)
+    a, b = jax_dg.per_token_cast_to_fp8(x), jax_dg.per_block_cast_to_fp8(x)
+    with jax_dg.use_backend("deep_gemm"):
+        f = jax.jit(jax_dg.fp8_gemm_nt)
+        with pytest.raises(Exception, match="needs a CUDA device"):
+            jax.block_until_ready(f(a, b))
+
+
+def fake_deep_gemm(**symbols):
+    m = types.ModuleType("deep_gemm")
+    m.__file__ = "/fake/deep_gemm/__init__.py"
+    m.__version__ = "0.0-test"
+    m.__dict__.update(symbols)
+    return m
+
+
+def test_names_resolve_newest_first_then_legacy(monkeypatch):
+    new, old = object(), object()
+    monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm(
+        fp8_gemm_nt=new, fp8_m_grouped_gemm_nt_masked=old))
+    assert dg_backend.resolve("fp8_gemm_nt") is new
+    assert dg_backend.resolve("m_grouped_fp8_gemm_nt_masked") is old
+
+
+def test_legacy_mqa_logits_is_adapted_to_the_tuple_api(monkeypatch):
+    seen = {}
+
+    def legacy(q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0):
+        seen.update(q=q, clean=clean_logits, msk=max_seqlen_k)
+        return "logits"
+
+    monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm(fp8_mqa_logits=legacy))
+    fn = dg_backend.resolve("fp8_fp4_mqa_logits")
+    assert fn(("Q", None), ("K", "S"), "W", "ks", "ke", clean_logits=False, max_seqlen_k=7) == "logits"
+    assert seen == {"q": "Q", "clean": False, "msk": 7}
+
+
+def test_missing_kernel_error_names_it_and_how_to_install(monkeypatch):
+    monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm())
+    err = dg_backend.missing_error("fp8_gemm_nt")
+    assert "fp8_gemm_nt" in str(err) and "0.0-test" in str(err) and "JAX_DG_BACKEND=torch" in str(err)
+    monkeypatch.setattr(dg_backend, "module", lambda: None)
+    monkeypatch.setattr(dg_backend, "import_error", lambda: "ModuleNotFoundError: no deep_gemm")
+    assert "not importable" in str(dg_backend.missing_error("fp8_gemm_nt"))
+
+
+def test_kernels_for_reports_missing_kernels_and_wrong_arch(monkeypatch):
+    from jax_dg.ops.gemm import FP8_GEMM_NT
+    monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm())
+    monkeypatch.setattr(dg_backend, "arch_family", lambda device=0: "sm90")
+    monkeypatch.setattr(dg_backend, "device_arch", lambda device=0: "sm90")
+    with pytest.raises(RuntimeError, match="`fp8_gemm_nt` is unavailable"):
+        dg_backend.kernels_for(FP8_GEMM_NT)
+    sm100_only = types.SimpleNamespace(name="x_sm100", archs=frozenset({"sm100"}), kernels=())
+    with pytest.raises(RuntimeError, match="only on sm100"):
+        dg_backend.kernels_for(sm100_only)
+
+
+def test_jit_cache_dir_is_set_when_unset(monkeypatch):
+    monkeypatch.delenv("DG_JIT_CACHE_DIR", raising=False)
+    dg_backend.module.cache_clear()
+    try:
+        dg_backend.module()
+        import os
+        assert os.environ["DG_JIT_CACHE_DIR"].endswith(os.path.join("jax_dg", "deep_gemm"))
+    finally:
+        dg_backend.module.cache_clear()
