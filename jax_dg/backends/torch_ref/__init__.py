@@ -6,3 +6,4 @@ on CPU. Each family lives in its own module.
 """
 
 from jax_dg.backends.torch_ref.gemm import *  # noqa: F401,F403
+from jax_dg.backends.torch_ref.mqa import *  # noqa: F401,F403

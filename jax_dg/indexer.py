@@ -1,0 +1,99 @@
+"""Pure-JAX helpers that feed the lightning indexer (`jax_dg.mqa_logits`) without touching torch.
+
+- `per_row_cast_to_fp8`: K rows -> (float8_e4m3fn values, float32 scale per row), DeepGEMM's
+  `per_custom_dims_cast_to_fp8(x, (0,), use_ue8m0)`.
+- `fold_q_scale`: SM90's MQA kernel takes no q scale; a positive per-(token, head) q scale moves
+  into the weights (exact: relu(s * x) = s * relu(x) for s > 0), as vLLM's indexer does.
+- `causal_ks_ke`, `varlen_causal_ks_ke`: the [ks, ke) key range of every query row for a causal
+  prefill, over one sequence or over packed sequences given by cu_seqlens.
+- `topk_indices`: the indexer's selection, -1 where fewer than k keys are valid.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dg.quant import FP8, FP8_MAX, ceil_to_ue8m0
+
+
+def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.Array, jax.Array]:
+    """[N, ...] -> (float8_e4m3fn [N, ...], float32 scale [N]): one scale per row (dim 0).
+
+    sf = max(amax of the row, 1e-4) / 448 (rounded up to a power of two with use_ue8m0);
+    values = x * (1 / sf) cast to e4m3, exactly as DeepGEMM's per_custom_dims_cast_to_fp8(x, (0,)).
+    """
+    if x.ndim < 1:
+        raise ValueError(f"per_row_cast_to_fp8: `x` must have a row dimension, got shape {x.shape}")
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(1, x.ndim))
+    amax = jnp.abs(xf).max(axis=axes, keepdims=True) if axes else jnp.abs(xf)
+    sf = jnp.maximum(amax, 1e-4) / FP8_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    values = (xf * (1.0 / sf)).astype(FP8)
+    return values, sf.reshape(x.shape[0])
+
+
+def fold_q_scale(weights: jax.Array, q_scale: jax.Array) -> jax.Array:
+    """weights [M, H] * q_scale ([M, H] per token and head, [M, 1] or [M] per token) in float32.
+
+    The scale must be positive (any FP8 quantiser's is). It is exact when the scale is a power
+    of two (UE8M0), otherwise one float32 rounding per weight.
+    """
+    q_scale = q_scale.astype(jnp.float32)
+    if q_scale.ndim == 1:
+        q_scale = q_scale[:, None]
+    return weights.astype(jnp.float32) * q_scale
+
+
+def causal_ks_ke(num_queries: int, num_keys: int, *, include_self: bool = True):
+    """ks, ke (int32 [num_queries]) for the last `num_queries` tokens of a `num_keys`-token sequence.
+
+    Query i sits at position p = num_keys - num_queries + i and sees keys [0, p + 1), or [0, p)
+    with include_self=False (DeepGEMM's test mask `ke = arange(S) + SK - S`, whose first row is
+    empty when S == SK).
+    """
+    if num_queries > num_keys:
+        raise ValueError(f"causal_ks_ke: `num_queries` ({num_queries}) must be <= `num_keys` ({num_keys})")
+    ks = jnp.zeros((num_queries,), jnp.int32)
+    ke = jnp.arange(num_queries, dtype=jnp.int32) + (num_keys - num_queries + int(include_self))
+    return ks, ke
+
+
+def varlen_causal_ks_ke(cu_seqlens_q: jax.Array, num_queries: int, cu_seqlens_k: jax.Array | None = None,
+                        *, include_self: bool = True):
+    """ks, ke (int32 [num_queries]) for packed sequences (a causal prefill over a varlen batch).
+
+    Sequence b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key positions
+    [cu_seqlens_k[b], cu_seqlens_k[b+1]) of the packed K (cu_seqlens_k defaults to cu_seqlens_q:
+    no cached prefix). Its queries are the sequence's last tokens: query j of a sequence with Lq
+    queries and Lk keys sees keys [cu_k[b], cu_k[b] + Lk - Lq + j + 1) (no `+ 1` without
+    include_self). Rows past cu_seqlens_q[-1] (padding) get the empty range ks = ke = 0.
+    """
+    cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
+    cu_k = cu_q if cu_seqlens_k is None else jnp.asarray(cu_seqlens_k, jnp.int32)
+    if cu_q.ndim != 1 or cu_k.shape != cu_q.shape:
+        raise ValueError(f"varlen_causal_ks_ke: `cu_seqlens_q` and `cu_seqlens_k` must be 1-D [B+1] "
+                         f"of one shape, got {cu_q.shape} and {cu_k.shape}")
+    rows = jnp.arange(num_queries, dtype=jnp.int32)
+    b = jnp.clip(jnp.searchsorted(cu_q, rows, side="right") - 1, 0, cu_q.shape[0] - 2)
+    j = rows - cu_q[b]
+    len_q = cu_q[b + 1] - cu_q[b]
+    len_k = cu_k[b + 1] - cu_k[b]
+    ks = cu_k[b]
+    ke = ks + len_k - len_q + j + int(include_self)
+    inside = rows < cu_q[-1]
+    return jnp.where(inside, ks, 0), jnp.where(inside, jnp.maximum(ke, ks), 0)
+
+
+def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None) -> jax.Array:
+    """int32 [M, k]: the columns of the k largest logits per row, best first; -1 where the value is
+    -inf (the row has fewer than k valid keys).
+
+    For the compressed form (column t = position ks + t) pass offsets=ks to get key positions.
+    """
+    values, idx = jax.lax.top_k(logits, k)
+    if offsets is not None:
+        idx = idx + offsets[:, None].astype(idx.dtype)
+    return jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)

@@ -1,0 +1,403 @@
+"""MQA logits without paging (DeepSeek V3.2's lightning indexer) and its sparse SM100 variant.
+
+    logits[i, n] = sum_h weights[i, h] * relu(q[i, h] . kv[n]) * kv_scale[n],   n in [ks[i], ke[i])
+
+DeepGEMM (2.5.0, SM90) allocates the logits itself, as a view with padded rows; the op's call
+copies them into XLA's output on XLA's stream, and fills the compressed form's tail (which
+DeepGEMM never writes) with -inf in the same pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dg.core.checks import Checker, align, cdiv
+from jax_dg.core.op import Op
+from jax_dg.indexer import fold_q_scale
+from jax_dg.reference import mqa as ref
+
+FP8 = jnp.float8_e4m3fn
+F32 = jnp.float32
+I32 = jnp.int32
+# DeepGEMM 2.5.0's SM90 kernel (measured): H in {16, 32, 64}; upstream DeepGEMM takes 32 and 64.
+HEADS = (16, 32, 64)
+HEAD_DIMS = (32, 64, 128)
+NEG_INF = float("-inf")
+
+
+# --- fp8_fp4_mqa_logits -------------------------------------------------------------------------
+
+def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits):
+    ck = Checker("mqa_logits")
+    ck.ndim(q, "q[0]", 3, "[M, H, D]")
+    ck.dtype(q, "q[0]", FP8)
+    m, h, d = q.shape
+    ck.that(h in HEADS, "q[0]", f"must have H (heads) in {HEADS} (DeepGEMM's SM90 kernel; "
+            "upstream DeepGEMM takes 32 or 64)", h)
+    ck.that(d in HEAD_DIMS, "q[0]", f"must have D (head dim) in {HEAD_DIMS}", d)
+    ck.ndim(kv, "kv[0]", 2, "[N, D]")
+    ck.dtype(kv, "kv[0]", FP8)
+    n = kv.shape[0]
+    ck.that(kv.shape[1] == d, "kv[0]", f"must be [N, D] with q's D = {d}", tuple(kv.shape))
+    ck.tensor(kv_sf, "kv[1]", [F32], (n,), "[N] (one scale per key row)")
+    ck.tensor(weights, "weights", [F32], (m, h), "[M, H]")
+    ck.tensor(ks, "cu_seqlen_ks", [I32], (m,), "[M]")
+    ck.tensor(ke, "cu_seqlen_ke", [I32], (m,), "[M]")
+    return [jax.ShapeDtypeStruct((m, max_seqlen_k or n), F32)]
+
+
+def _neg_inf(like):
+    """A 0-d -inf on `like`'s device, made there (no host-to-device copy)."""
+    import torch
+    return torch.full((), NEG_INF, dtype=like.dtype, device=like.device)
+
+
+def _mqa_logits_call(k, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits):
+    # Keywords from the 6th argument on: an era-C binding takes max_seqlen_k 6th, era B takes
+    # clean_logits there (a positional int would silently turn into clean_logits=True).
+    if not max_seqlen_k:
+        logits = k.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ke,
+                                      clean_logits=clean_logits, max_seqlen_k=0)
+        out.copy_(logits)
+        return
+    import torch
+    # DeepGEMM does not check max_seqlen_k >= ke - ks (a longer row is written into the next
+    # one): clamp ke so a row keeps its first max_seqlen_k positions.
+    lens = (ke - ks).clamp_(max=max_seqlen_k)
+    logits = k.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ks + lens,
+                                  clean_logits=False, max_seqlen_k=max_seqlen_k)
+    if clean_logits:  # the tail t >= ke - ks is never written: -inf, fused with the copy
+        cols = torch.arange(max_seqlen_k, device=out.device, dtype=lens.dtype)
+        torch.where(cols[None, :] < lens[:, None], logits, _neg_inf(out), out=out)
+    else:
+        out.copy_(logits)
+
+
+def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits):
+    return ref.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
+
+
+FP8_MQA_LOGITS = Op(
+    name="fp8_fp4_mqa_logits",
+    args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke"),
+    rule=_mqa_logits_rule,
+    call=_mqa_logits_call,
+    reference=_mqa_logits_reference,
+    kernels=("fp8_fp4_mqa_logits",),
+)
+
+
+def _q_values_and_weights(ck: Checker, q, weights):
+    """q as (values, scale | None) or bare values; a float32 q scale is folded into weights."""
+    if isinstance(q, (tuple, list)):
+        qv, qs = ck.pair(q, "q", second_optional=True)
+    else:
+        qv, qs = q, None
+    ck.array(qv, "q[0]")
+    ck.array(weights, "weights")
+    if qs is None:
+        return qv, weights
+    ck.array(qs, "q[1]")
+    m, h = (tuple(qv.shape) + (0, 0))[:2]
+    ck.that(jnp.dtype(qs.dtype) == F32, "q[1]", "must be float32 (a positive per-token or "
+            "per-(token, head) scale, folded into weights: SM90's kernel takes no q scale; "
+            "packed int32 UE8M0 MX scales are SM100's format)", jnp.dtype(qs.dtype).name)
+    ck.that(tuple(qs.shape) in ((m, h), (m, 1), (m,)), "q[1]",
+            f"must have shape [M, H] = {(m, h)}, [M, 1] or [M]", tuple(qs.shape))
+    ck.tensor(weights, "weights", [F32], (m, h), "[M, H]")
+    return qv, fold_q_scale(weights, qs)
+
+
+def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int | None = None,
+               clean_logits: bool = True) -> jax.Array:
+    """The lightning indexer's scores (DeepGEMM fp8_fp4_mqa_logits), usable inside jax.jit.
+
+        logits[i, n] = sum_h weights[i, h] * relu(q[i, h, :] . kv[n, :] * kv_scale[n])
+
+    q: (values float8_e4m3fn [M, H, D], scale or None), or the bare values. H in {16, 32, 64}
+       (upstream DeepGEMM: 32, 64), D in {32, 64, 128}. A float32 scale ([M, H], [M, 1] or [M],
+       positive) is folded into `weights` here, since SM90's kernel takes none.
+    kv: (values float8_e4m3fn [N, D], scale float32 [N]) -- see `jax_dg.per_row_cast_to_fp8`.
+    weights: float32 [M, H].
+    cu_seqlen_ks, cu_seqlen_ke: int32 [M]; row i scores keys n in [ks[i], ke[i]) (empty if
+       ke[i] <= ks[i]). Expected 0 <= ks[i] and ke[i] <= N (DeepGEMM reads out of bounds
+       otherwise); see `jax_dg.causal_ks_ke` / `varlen_causal_ks_ke`.
+    max_seqlen_k: None -> the full float32 [M, N] form. A static int > 0 -> the compressed
+       [M, max_seqlen_k] form: column t holds key ks[i] + t for t < ke[i] - ks[i]. It should be
+       >= max(ke - ks); longer rows keep their first max_seqlen_k keys.
+    clean_logits: True (default): every position outside a row's valid range is -inf. False:
+       those positions are unspecified (DeepGEMM leaves real scores, stale memory or anything
+       in them, NaN included) and only the valid ones may be read; it saves the masking work
+       (a separate kernel in the full form). Valid positions are identical either way.
+    """
+    ck = Checker("mqa_logits")
+    qv, weights = _q_values_and_weights(ck, q, weights)
+    kvv, kvs = ck.pair(kv, "kv")
+    for x, name in ((kvv, "kv[0]"), (kvs, "kv[1]"), (cu_seqlen_ks, "cu_seqlen_ks"),
+                    (cu_seqlen_ke, "cu_seqlen_ke")):
+        ck.array(x, name)
+    if max_seqlen_k is None:
+        width = 0
+    else:
+        width = ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
+    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits))
+    (spec,) = _mqa_logits_rule(qv, kvv, kvs, weights, cu_seqlen_ks, cu_seqlen_ke, **static)
+    if 0 in spec.shape or kvv.shape[0] == 0:  # nothing to score: every position is invalid
+        return jnp.full(spec.shape, NEG_INF, F32)
+    (logits,) = FP8_MQA_LOGITS(qv, kvv, kvs, weights, cu_seqlen_ks, cu_seqlen_ke, **static)
+    return logits
+
+
+def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k, *,
+                       clean_logits: bool = True) -> jax.Array:
+    """The seed's name and call shape (vLLM's `fp8_fp4_mqa_logits`): `mqa_logits` with
+    `max_seqlen_k` given positionally (None for the full [M, N] form). Unlike the seed's
+    DeepGEMM, the compressed tail is -inf unless clean_logits=False."""
+    return mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k=max_seqlen_k,
+                      clean_logits=clean_logits)
+
+
+# --- sparse (DeepGEMM >= 2.8, SM100 only) ---------------------------------------------------------
+#
+# The metadata buffer jax_dg hands around: int32 [ks (M) | ke (M) | block indices (M * nmsb)],
+# padded to 256 bytes, then the backend's own metadata (DeepGEMM's opaque schedule on SM100; the
+# torch reference keeps the same three arrays). The first part lets every backend produce
+# fully defined output: invalid columns are set to -inf from it.
+
+SPARSE_BLOCKS = (8, 16)
+SPLIT_KV = {"float8_e4m3fn": 512, "int8": 640}  # DeepGEMM's split per Q/K format (FP8, packed FP4)
+META_ALIGN = 256
+
+
+def _sparse_header_bytes(m: int, nmsb: int) -> int:
+    return align(4 * m * (2 + nmsb), META_ALIGN)
+
+
+def deep_gemm_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
+    """Size of DeepGEMM's contiguous sparse metadata (upstream layout/sparse_mqa_logits.cuh)."""
+    per_split = SPLIT_KV[qk_dtype] // sbk
+    s_max = cdiv(m, 2) * cdiv(2 * nmsb, per_split)
+    return 16 + s_max * (16 + per_split * 8) + align(s_max, num_sms) * 16
+
+
+def sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
+    backend = max(deep_gemm_sparse_metadata_bytes(m, nmsb, sbk, qk_dtype, num_sms), 4 * m * (2 + nmsb))
+    return _sparse_header_bytes(m, nmsb) + backend
+
+
+def _default_num_sms() -> int:
+    dev = jax.devices()[0]
+    count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return int(count) if count else 148  # B200's SM count: the size only matters on SM100
+
+
+def _check_sparse_block_kv(ck: Checker, sbk) -> int:
+    sbk = ck.static_int(sbk, "sparse_block_kv")
+    ck.that(sbk in SPARSE_BLOCKS, "sparse_block_kv", f"must be one of {SPARSE_BLOCKS}", sbk)
+    return sbk
+
+
+def _qk_dtype_name(ck: Checker, qk_dtype) -> str:
+    try:
+        name = jnp.dtype(qk_dtype).name
+    except TypeError:
+        name = str(qk_dtype).replace("torch.", "")
+    ck.that(name in SPLIT_KV, "qk_dtype", "must be float8_e4m3fn (MXFP8) or int8 (packed MXFP4)", name)
+    return name
+
+
+def _sparse_meta_rule(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+    ck = Checker("get_sparse_mqa_logits_metadata")
+    ck.ndim(ks, "cu_seqlen_ks", 1, "[M]")
+    ck.dtype(ks, "cu_seqlen_ks", I32)
+    m = ks.shape[0]
+    ck.that(m <= 1 << 20, "cu_seqlen_ks", "must have M <= 2**20 rows", m)
+    ck.tensor(ke, "cu_seqlen_ke", [I32], (m,), "[M]")
+    ck.ndim(indices, "sparse_kv_block_indices", 2, "[M, num_max_sparse_blocks]")
+    ck.dtype(indices, "sparse_kv_block_indices", I32)
+    ck.that(indices.shape[0] == m, "sparse_kv_block_indices", f"must have M = {m} rows",
+            tuple(indices.shape))
+    nmsb = indices.shape[1]
+    ck.that(nmsb > 0 and nmsb % 4 == 0 and nmsb <= 4096, "sparse_kv_block_indices",
+            "must have num_max_sparse_blocks columns, a multiple of 4 in [4, 4096]", nmsb)
+    size = sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms)
+    return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
+
+
+def _sparse_meta_call(k, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+    import torch
+    m, nmsb = indices.shape
+    head = out[:4 * m * (2 + nmsb)].view(torch.int32)
+    head[:m].copy_(ks)
+    head[m:2 * m].copy_(ke)
+    head[2 * m:].copy_(indices.reshape(-1))
+    meta = k.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, getattr(torch, qk_dtype),
+                                            sparse_block_kv, use_unaligned_ks=True)
+    meta = meta.contiguous().view(torch.uint8).reshape(-1)
+    region = out[_sparse_header_bytes(m, nmsb):]
+    if meta.numel() > region.numel():
+        raise RuntimeError(
+            f"jax_dg: get_sparse_mqa_logits_metadata returned {meta.numel()} bytes; jax_dg sized "
+            f"{region.numel()} (DeepGEMM's layout changed? see deep_gemm_sparse_metadata_bytes)")
+    region[:meta.numel()].copy_(meta)
+    if meta.numel() < region.numel():
+        region[meta.numel():].zero_()
+
+
+def _sparse_meta_reference(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+    m, nmsb = indices.shape
+    size = sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms)
+    head = jnp.concatenate([ks, ke, indices.reshape(-1)])
+    head = jax.lax.bitcast_convert_type(head, jnp.uint8).reshape(-1)
+    # The backend's part: the same three arrays (as the torch reference writes), then zeros.
+    header = _sparse_header_bytes(m, nmsb)
+    return jnp.concatenate([head, jnp.zeros((header - head.shape[0],), jnp.uint8), head,
+                            jnp.zeros((size - header - head.shape[0],), jnp.uint8)])
+
+
+GET_SPARSE_MQA_LOGITS_METADATA = Op(
+    name="get_sparse_mqa_logits_metadata",
+    args=("cu_seqlen_ks", "cu_seqlen_ke", "sparse_kv_block_indices"),
+    rule=_sparse_meta_rule,
+    call=_sparse_meta_call,
+    reference=_sparse_meta_reference,
+    kernels=("get_sparse_mqa_logits_metadata",),
+    archs=frozenset({"sm100"}),
+)
+
+
+def get_sparse_mqa_logits_metadata(cu_seqlen_ks, cu_seqlen_ke, num_kv_tokens: int,
+                                   sparse_kv_block_indices, qk_dtype, sparse_block_kv: int, *,
+                                   num_sms: int | None = None) -> jax.Array:
+    """Metadata for `fp8_fp4_sparse_mqa_logits` (uint8, 1-D; opaque), the seed's call shape.
+
+    cu_seqlen_ks, cu_seqlen_ke: int32 [M], each row's key range in the packed K.
+    num_kv_tokens: static int, N (keys in the packed K).
+    sparse_kv_block_indices: int32 [M, num_max_sparse_blocks] (a multiple of 4, <= 4096). Row i
+       starts with its min(ceil((ke-ks)/sbk), nmsb) candidate blocks, ascending; block b covers
+       keys [b*sbk + ks % sbk, +sbk) (the unaligned-ks convention, always on); the rest of the
+       row is padding (repeat the last block).
+    qk_dtype: jnp.float8_e4m3fn (MXFP8) or jnp.int8 (packed MXFP4): the format of q and k.
+    sparse_block_kv: static int, 8 or 16.
+    num_sms: SMs of the device the logits call runs on (sizes DeepGEMM's schedule); default:
+       the first JAX device's.
+    DeepGEMM has this kernel on SM100 only (>= 2.8); elsewhere use JAX_DG_BACKEND=torch or xla.
+    """
+    ck = Checker("get_sparse_mqa_logits_metadata")
+    for x, name in ((cu_seqlen_ks, "cu_seqlen_ks"), (cu_seqlen_ke, "cu_seqlen_ke"),
+                    (sparse_kv_block_indices, "sparse_kv_block_indices")):
+        ck.array(x, name)
+    static = dict(
+        num_kv_tokens=ck.static_int(num_kv_tokens, "num_kv_tokens", minimum=0),
+        qk_dtype=_qk_dtype_name(ck, qk_dtype),
+        sparse_block_kv=_check_sparse_block_kv(ck, sparse_block_kv),
+        num_sms=ck.static_int(_default_num_sms() if num_sms is None else num_sms, "num_sms", minimum=1),
+    )
+    (meta,) = GET_SPARSE_MQA_LOGITS_METADATA(cu_seqlen_ks, cu_seqlen_ke, sparse_kv_block_indices, **static)
+    return meta
+
+
+def _sparse_head(meta, m: int, nmsb: int):
+    """(ks, ke, indices) back from the metadata's first part."""
+    head = jax.lax.bitcast_convert_type(meta[:4 * m * (2 + nmsb)].reshape(-1, 4), I32)
+    return head[:m], head[m:2 * m], head[2 * m:].reshape(m, nmsb)
+
+
+def _sparse_rule(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks, sparse_block_kv,
+                 clean_logits):
+    ck = Checker("fp8_fp4_sparse_mqa_logits")
+    ck.ndim(q, "q[0]", 3, "[M, H, D] (D/2 bytes for packed FP4)")
+    ck.dtype(q, "q[0]", FP8, jnp.int8)
+    m, h, dq = q.shape
+    fp4 = jnp.dtype(q.dtype) == jnp.int8
+    ck.that(dq == (64 if fp4 else 128), "q[0]",
+            "must have D = 128 (64 bytes of packed FP4 pairs when int8)", dq)
+    ck.that(0 < h <= 32 and h % 4 == 0, "q[0]", "must have H <= 32 heads, a multiple of 4", h)
+    ck.tensor(q_sf, "q[1]", [I32], (m, h), "[M, H] (packed UE8M0, mandatory)")
+    ck.ndim(kv, "kv[0]", 2, "[N, D]")
+    ck.dtype(kv, "kv[0]", q.dtype)
+    ck.that(kv.shape[1] == dq, "kv[0]", f"must be [N, {dq}] like q", tuple(kv.shape))
+    ck.tensor(kv_sf, "kv[1]", [I32], (kv.shape[0],), "[N] (packed UE8M0)")
+    ck.tensor(weights, "weights", [jnp.bfloat16], (m, h), "[M, H] (bfloat16; q's scale not folded)")
+    ck.ndim(metadata, "metadata", 1, "uint8 [bytes] from get_sparse_mqa_logits_metadata")
+    ck.dtype(metadata, "metadata", jnp.uint8)
+    nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
+    ck.that(metadata.shape[0] > _sparse_header_bytes(m, nmsb), "metadata",
+            f"must come from get_sparse_mqa_logits_metadata with M = {m} rows and "
+            f"num_max_sparse_blocks = {nmsb}", tuple(metadata.shape))
+    return [jax.ShapeDtypeStruct((m, nmsb * sbk), jnp.bfloat16)]
+
+
+def _sparse_call(k, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
+                 sparse_block_kv, clean_logits):
+    import torch
+    m, h = weights.shape
+    nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
+    if h % 8:  # bf16 weight rows must start 16-byte aligned: pad the row stride
+        padded = torch.zeros((m, align(h, 8)), dtype=weights.dtype, device=weights.device)
+        padded[:, :h].copy_(weights)
+        weights = padded[:, :h]
+    logits = k.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), weights,
+                                         metadata[_sparse_header_bytes(m, nmsb):], nmsb, sbk,
+                                         use_unaligned_ks=True)
+    if not clean_logits:
+        out.copy_(logits)
+        return
+    head = metadata[:4 * m * (2 + nmsb)].view(torch.int32)
+    ks, ke, idx = head[:m], head[m:2 * m], head[2 * m:].view(m, nmsb)
+    o = torch.arange(sbk, device=out.device, dtype=torch.int32)
+    token = (idx[:, :, None] * sbk + (ks % sbk)[:, None, None] + o).view(m, nmsb * sbk)
+    nvb = ((ke - ks).clamp(min=0) + (sbk - 1)).div(sbk, rounding_mode="floor").clamp(max=nmsb)
+    col = torch.arange(nmsb * sbk, device=out.device, dtype=torch.int32)
+    valid = (col[None, :] < (nvb * sbk)[:, None]) & (token >= ks[:, None]) & (token < ke[:, None])
+    torch.where(valid, logits, _neg_inf(out), out=out)
+
+
+def _sparse_reference(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks,
+                      sparse_block_kv, clean_logits):
+    ks, ke, idx = _sparse_head(metadata, q.shape[0], num_max_sparse_blocks)
+    return ref.sparse_mqa_logits(q, q_sf, kv, kv_sf, weights, ks, ke, idx,
+                                 sparse_block_kv=sparse_block_kv)
+
+
+FP8_FP4_SPARSE_MQA_LOGITS = Op(
+    name="fp8_fp4_sparse_mqa_logits",
+    args=("q", "q_sf", "kv", "kv_sf", "weights", "metadata"),
+    rule=_sparse_rule,
+    call=_sparse_call,
+    reference=_sparse_reference,
+    kernels=("fp8_fp4_sparse_mqa_logits",),
+    archs=frozenset({"sm100"}),
+)
+
+
+def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks: int,
+                              sparse_block_kv: int, *, clean_logits: bool = True) -> jax.Array:
+    """MQA logits at candidate key blocks only (DeepGEMM >= 2.8, SM100), the seed's call shape.
+
+    q: (values [M, H, D], packed UE8M0 int32 scales [M, H], mandatory): MXFP8 (float8_e4m3fn,
+       D = 128) or MXFP4 (int8, 64 bytes of e2m1 pairs, low nibble first); byte j of a scale
+       covers the j-th 32 elements of D. H <= 32, a multiple of 4.
+    kv: (values [N, D] of q's format, int32 packed UE8M0 [N]).
+    weights: bfloat16 [M, H] (q's scale is not folded in).
+    metadata: from `get_sparse_mqa_logits_metadata` with the same M and num_max_sparse_blocks.
+    Returns bfloat16 [M, num_max_sparse_blocks * sparse_block_kv]: column j*sbk + o scores key
+    indices[i, j]*sbk + ks[i] % sbk + o, valid for j < min(ceil((ke-ks)/sbk), nmsb) and
+    ks <= key < ke; invalid columns are -inf (unspecified with clean_logits=False).
+    DeepGEMM has this kernel on SM100 only; elsewhere use JAX_DG_BACKEND=torch or xla.
+    """
+    ck = Checker("fp8_fp4_sparse_mqa_logits")
+    qv, qs = ck.pair(q, "q")
+    kvv, kvs = ck.pair(kv, "kv")
+    for x, name in ((qv, "q[0]"), (qs, "q[1]"), (kvv, "kv[0]"), (kvs, "kv[1]"),
+                    (weights, "weights"), (metadata, "metadata")):
+        ck.array(x, name)
+    nmsb = ck.static_int(num_max_sparse_blocks, "num_max_sparse_blocks", minimum=1)
+    ck.that(nmsb % 4 == 0 and nmsb <= 4096, "num_max_sparse_blocks",
+            "must be a multiple of 4 and <= 4096 (DeepGEMM's sparse kernels)", nmsb)
+    sbk = _check_sparse_block_kv(ck, sparse_block_kv)
+    (logits,) = FP8_FP4_SPARSE_MQA_LOGITS(qv, qs, kvv, kvs, weights, metadata,
+                                          num_max_sparse_blocks=nmsb, sparse_block_kv=sbk,
+                                          clean_logits=bool(clean_logits))
+    return logits
