@@ -42,6 +42,9 @@ NAMES: dict[str, tuple[str, ...]] = {
 def _adapt_mqa_logits(legacy: Callable) -> Callable:
     # DeepGEMM < 2.4: fp8_mqa_logits(q, kv, ...) takes q alone and has no logits_dtype.
     def call(q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0, logits_dtype=None):
+        if q[1] is not None or str(logits_dtype) not in ("None", "float32", "torch.float32"):
+            raise RuntimeError("jax_dg: this DeepGEMM's fp8_mqa_logits takes no q scale and "
+                               "returns float32 logits only")
         return legacy(q[0], kv, weights, ks, ke, clean_logits=clean_logits,
                       max_seqlen_k=max_seqlen_k)
     return call
