@@ -31,4 +31,19 @@ from jax_dg.ops.mqa import (
     mqa_logits,
 )
 
+# GEMM family: FP8/BF16 layouts, cuBLASLt, grouped (MoE), einsum, hyper-connection
+from jax_dg.ops.gemm import (
+    bf16_gemm_nn,
+    bf16_gemm_nt,
+    bf16_gemm_tn,
+    bf16_gemm_tt,
+    cublaslt_gemm_nn,
+    cublaslt_gemm_nt,
+    cublaslt_gemm_tn,
+    cublaslt_gemm_tt,
+    fp8_gemm_nn,
+    fp8_gemm_tn,
+    fp8_gemm_tt,
+)
+
 __version__ = "0.1.0"

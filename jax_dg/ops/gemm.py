@@ -93,3 +93,242 @@ def fp8_gemm_nt(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
     out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
     (d,) = FP8_GEMM_NT(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=list(recipe))
     return d
+
+
+# --- Operand layouts -------------------------------------------------------------------------
+# DeepGEMM names a GEMM by its operands' layouts: d[M, N] = op(a) @ op(b), where a is "n" = [M, K]
+# or "t" = [K, M], and b is "t" = [N, K] or "n" = [K, N]. JAX arrays have no strides, so here the
+# letters say how the arrays are stored (row-major); a quantised operand's scales are laid out
+# like its values. The ops hand DeepGEMM the transposed torch views its API expects.
+
+BF16 = jnp.bfloat16
+LAYOUTS = ("nt", "nn", "tn", "tt")
+
+
+def _layout(layout: str) -> tuple[bool, bool]:
+    """(a stored [K, M], b stored [K, N]) for a layout name."""
+    return layout[0] == "t", layout[1] == "n"
+
+
+def _dims(shape, swapped: bool) -> tuple[int, int]:
+    """(mn, k) of an operand stored [mn, k], or [k, mn] when swapped."""
+    return (shape[1], shape[0]) if swapped else (shape[0], shape[1])
+
+
+def _grid(mn: int, k: int, swapped: bool):
+    return (k, mn) if swapped else (mn, k)
+
+
+def _grid_rule(swapped: bool, mn: str, k: str) -> str:
+    return f"[{k}, {mn}]" if swapped else f"[{mn}, {k}]"
+
+
+def _check_operands(ck: Checker, a, b, layout: str, dtype) -> tuple[int, int, int]:
+    """Checks a and b (ranks, dtypes, matching K) in `layout`; returns (m, n, k)."""
+    a_t, b_n = _layout(layout)
+    ck.ndim(a, "a[0]" if dtype == FP8 else "a", 2, _grid_rule(a_t, "M", "K"))
+    ck.ndim(b, "b[0]" if dtype == FP8 else "b", 2, _grid_rule(b_n, "N", "K"))
+    ck.dtype(a, "a[0]" if dtype == FP8 else "a", dtype)
+    ck.dtype(b, "b[0]" if dtype == FP8 else "b", dtype)
+    m, k = _dims(a.shape, a_t)
+    n, kb = _dims(b.shape, b_n)
+    ck.that(kb == k, "b[0]" if dtype == FP8 else "b",
+            f"must be {_grid_rule(b_n, 'N', 'K')} with a's K = {k}", tuple(b.shape))
+    return m, n, k
+
+
+# --- FP8 nn / tn / tt ------------------------------------------------------------------------
+# On SM90 DeepGEMM's FP8 kernels read both operands K-major only; a row-major JAX array stored
+# [K, M] or [K, N] is MN-major, so these three run through DeepGEMM on SM100 only. On SM90 call
+# fp8_gemm_nt on transposed arrays (XLA transposes them), or use JAX_DG_BACKEND=torch / xla.
+
+def _fp8_layout_rule(layout: str):
+    def rule(a, sfa, b, sfb, c, *, out_dtype, recipe):
+        name = f"fp8_gemm_{layout}"
+        ck = Checker(name)
+        recipe = tuple(recipe)
+        ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)}", recipe)
+        gm, gn, gk = recipe
+        a_t, b_n = _layout(layout)
+        m, n, k = _check_operands(ck, a, b, layout, FP8)
+        ck.that(k % 16 == 0, "a[0]", "must have K % 16 == 0 (16-byte rows for TMA)", k)
+        ck.tensor(sfa, "a[1]", [F32], _grid(cdiv(m, gm), cdiv(k, gk), a_t),
+                  _grid_rule(a_t, f"ceil(M/{gm})", f"ceil(K/{gk})"))
+        ck.tensor(sfb, "b[1]", [F32], _grid(cdiv(n, gn), cdiv(k, gk), b_n),
+                  _grid_rule(b_n, f"ceil(N/{gn})", f"ceil(K/{gk})"))
+        ck.that(out_dtype == OUT_DTYPE[recipe], "out_dtype",
+                f"must be {OUT_DTYPE[recipe]} with recipe {recipe}", out_dtype)
+        align_n = 8 if out_dtype == "bfloat16" else 4
+        ck.that(n % align_n == 0, "b[0]", f"must have N % {align_n} == 0 (16-byte rows of d)", n)
+        ck.that(not a_t or m % 16 == 0, "a[0]", "stored [K, M] must have M % 16 == 0 (16-byte rows)", m)
+        ck.that(not b_n or n % 16 == 0, "b[0]", "stored [K, N] must have N % 16 == 0 (16-byte rows)", n)
+        ck.that(c is not None or recipe != RECIPE_CHANNEL, "c",
+                f"is required with recipe {recipe} (d = c + a @ b)")
+        if c is not None:
+            ck.that(recipe == RECIPE_CHANNEL, "c", f"needs recipe {RECIPE_CHANNEL} (per-channel b "
+                    "scales, float32 d); DeepGEMM's per-block kernel does not accumulate")
+            ck.tensor(c, "c", [F32], (m, n), "[M, N]")
+        return [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    return rule
+
+
+def _fp8_layout_call(layout: str):
+    def call(k, a, sfa, b, sfb, c, d, *, out_dtype, recipe):
+        getattr(k, f"fp8_gemm_{layout}")((a, sfa), (b, sfb), d, c=c, recipe=tuple(recipe))
+    return call
+
+
+def _fp8_layout_reference(layout: str):
+    a_t, b_n = _layout(layout)
+
+    def reference(a, sfa, b, sfb, c, *, out_dtype, recipe):
+        if a_t:
+            a, sfa = a.T, sfa.T
+        if b_n:
+            b, sfb = b.T, sfb.T
+        return ref.fp8_gemm_nt(a, sfa, b, sfb, c, out_dtype=out_dtype, recipe=tuple(recipe))
+    return reference
+
+
+FP8_GEMM = {
+    layout: Op(
+        name=f"fp8_gemm_{layout}",
+        args=("a", "sfa", "b", "sfb", "c"),
+        rule=_fp8_layout_rule(layout),
+        call=_fp8_layout_call(layout),
+        reference=_fp8_layout_reference(layout),
+        kernels=(f"fp8_gemm_{layout}",),
+        aliases={"c": 0},
+        archs=frozenset({"sm100"}),  # SM90 reads FP8 operands K-major only (see above)
+    )
+    for layout in ("nn", "tn", "tt")
+}
+
+
+def _fp8_gemm_layout(layout, a, b, c, out_dtype, recipe):
+    ck = Checker(f"fp8_gemm_{layout}")
+    av, sfa = ck.pair(a, "a")
+    bv, sfb = ck.pair(b, "b")
+    ck.ndim(bv, "b[0]", 2, _grid_rule(_layout(layout)[1], "N", "K"))
+    ck.ndim(sfb, "b[1]", 2, "scales")
+    b_n = _layout(layout)[1]
+    n = bv.shape[1] if b_n else bv.shape[0]
+    if recipe is None:
+        recipe = infer_recipe(n, sfb.shape[::-1] if b_n else sfb.shape)
+    recipe = tuple(int(r) for r in recipe)
+    out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
+    (d,) = FP8_GEMM[layout](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=list(recipe))
+    return d
+
+
+def fp8_gemm_nn(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
+    """d = a @ b (+ c): fp8_gemm_nt with b stored [K, N] (DeepGEMM fp8_gemm_nn).
+
+    a: (values [M, K], scales [M, ceil(K/128)]); b: (values [K, N], scales [ceil(K/128),
+    ceil(N/128)] per block, or [ceil(K/128), N] per channel with recipe (1, 1, 128) and c).
+    DeepGEMM runs it on SM100; SM90's FP8 kernels read b K-major only, so there the call raises
+    (use fp8_gemm_nt(a, (b.T, scales.T)), or JAX_DG_BACKEND=torch / xla). N % 16 == 0.
+    """
+    return _fp8_gemm_layout("nn", a, b, c, out_dtype, recipe)
+
+
+def fp8_gemm_tn(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
+    """d = a.T @ b (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [K, N] (scales
+    [ceil(K/128), ceil(N/128)], or [ceil(K/128), N] per channel). DeepGEMM fp8_gemm_tn; SM100
+    only (see fp8_gemm_nn). M % 16 == 0 and N % 16 == 0."""
+    return _fp8_gemm_layout("tn", a, b, c, out_dtype, recipe)
+
+
+def fp8_gemm_tt(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
+    """d = a.T @ b.T (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [N, K] (scales
+    as in fp8_gemm_nt). DeepGEMM fp8_gemm_tt; SM100 only (see fp8_gemm_nn). M % 16 == 0."""
+    return _fp8_gemm_layout("tt", a, b, c, out_dtype, recipe)
+
+
+# --- BF16: DeepGEMM's kernels and cuBLASLt, in all four layouts ------------------------------
+# DeepGEMM's SM90 BF16 kernel reads either operand K- or MN-major, so all four layouts run.
+
+def _bf16_rule(name: str, layout: str, deep_gemm_kernel: bool):
+    a_t, b_n = _layout(layout)
+
+    def rule(a, b, c, *, out_dtype):
+        ck = Checker(name)
+        m, n, k = _check_operands(ck, a, b, layout, BF16)
+        ck.that(out_dtype in ("bfloat16", "float32"), "out_dtype", "must be bfloat16 or float32",
+                out_dtype)
+        if deep_gemm_kernel:
+            # TMA: 16-byte rows everywhere; K % 64 is DeepGEMM's SM90 BF16 contract.
+            ck.that(k % 64 == 0, "a", "must have K % 64 == 0 (DeepGEMM's SM90 BF16 kernels)", k)
+            align_n = 8 if out_dtype == "bfloat16" or b_n else 4
+            ck.that(n % align_n == 0, "b", f"must have N % {align_n} == 0 (16-byte rows)", n)
+            ck.that(not a_t or m % 8 == 0, "a", "stored [K, M] must have M % 8 == 0 (16-byte rows)", m)
+        if c is not None:
+            ck.tensor(c, "c", [out_dtype], (m, n), "[M, N] of out_dtype")
+        return [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    return rule
+
+
+def _bf16_call(name: str):
+    def call(k, a, b, c, d, *, out_dtype):
+        getattr(k, name)(a, b, d, c=c)
+    return call
+
+
+def _bf16_reference(layout: str):
+    a_t, b_n = _layout(layout)
+
+    def reference(a, b, c, *, out_dtype):
+        return ref.bf16_gemm_nt(a.T if a_t else a, b.T if b_n else b, c, out_dtype=out_dtype)
+    return reference
+
+
+def _bf16_op(family: str, layout: str) -> Op:
+    name = f"{family}_{layout}"
+    return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, layout, family == "bf16_gemm"),
+              call=_bf16_call(name), reference=_bf16_reference(layout), kernels=(name,),
+              aliases={"c": 0})
+
+
+BF16_GEMM = {layout: _bf16_op("bf16_gemm", layout) for layout in LAYOUTS}
+CUBLASLT_GEMM = {layout: _bf16_op("cublaslt_gemm", layout) for layout in LAYOUTS}
+
+
+def _bf16_gemm(ops, layout, a, b, c, out_dtype):
+    if out_dtype is None:
+        out_dtype = c.dtype if c is not None and hasattr(c, "dtype") else BF16
+    (d,) = ops[layout](a, b, c, out_dtype=jnp.dtype(out_dtype).name)
+    return d
+
+
+_BF16_DOC = """d = {math} (+ c) on bfloat16 operands, float32 accumulation ({kernel}).
+
+    a: bfloat16 {a}; b: bfloat16 {b}. out_dtype: bfloat16 (default) or float32; c: optional
+    accumulator [M, N] of out_dtype (XLA may donate its buffer to d).{extra}
+    """
+_DG_EXTRA = "\n    DeepGEMM's SM90 contract: K % 64 == 0, N % 8 == 0 (N % 4 for float32 d), and an operand\n    stored MN-major ([K, M] / [K, N]) needs M % 8 / N % 8."
+
+
+def _bf16_public(family: str, layout: str):
+    a_t, b_n = _layout(layout)
+    name = f"{family}_{layout}"
+    ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
+
+    def fn(a, b, *, c=None, out_dtype=None) -> jax.Array:
+        return _bf16_gemm(ops, layout, a, b, c, out_dtype)
+    fn.__name__ = fn.__qualname__ = name
+    math = f"{'a.T' if a_t else 'a'} @ {'b' if b_n else 'b.T'}"
+    fn.__doc__ = _BF16_DOC.format(
+        math=math, kernel=f"DeepGEMM {name}" if family == "bf16_gemm" else f"cuBLASLt through DeepGEMM's {name}",
+        a=_grid_rule(a_t, "M", "K"), b=_grid_rule(b_n, "N", "K"),
+        extra=_DG_EXTRA if family == "bf16_gemm" else "")
+    return fn
+
+
+bf16_gemm_nt = _bf16_public("bf16_gemm", "nt")
+bf16_gemm_nn = _bf16_public("bf16_gemm", "nn")
+bf16_gemm_tn = _bf16_public("bf16_gemm", "tn")
+bf16_gemm_tt = _bf16_public("bf16_gemm", "tt")
+cublaslt_gemm_nt = _bf16_public("cublaslt_gemm", "nt")
+cublaslt_gemm_nn = _bf16_public("cublaslt_gemm", "nn")
+cublaslt_gemm_tn = _bf16_public("cublaslt_gemm", "tn")
+cublaslt_gemm_tt = _bf16_public("cublaslt_gemm", "tt")

@@ -25,3 +25,11 @@ def fp8_gemm_nt(a, sfa, b, sfb, c, *, out_dtype: str, recipe):
     if c is not None:
         d = d + c.astype(jnp.float32)
     return d.astype(out_dtype)
+
+
+def bf16_gemm_nt(a, b, c, *, out_dtype: str):
+    """a [M, K] @ b[N, K].T (+ c), float32 accumulation."""
+    d = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=HIGHEST)
+    if c is not None:
+        d = d + c.astype(jnp.float32)
+    return d.astype(out_dtype)

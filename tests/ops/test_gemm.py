@@ -185,3 +185,198 @@ def test_gpu_accumulate_matches_deep_gemm_from_torch(keys, m, n, k):
     torch.cuda.synchronize()
     assert bits(d) == d_torch.cpu().numpy().tobytes()
     assert all(bits(f(a, b, c)) == bits(d) for _ in range(5))
+
+
+# --- Layout variants (nn / tn / tt) and BF16 / cuBLASLt GEMMs --------------------------------
+# A layout names how the arrays are stored: a "n" = [M, K], "t" = [K, M]; b "t" = [N, K], "n" = [K, N].
+
+def store(layout, x, w):
+    """(a, b) holding x [M, K] and w [N, K] in `layout` (scales transposed with their values)."""
+    t = lambda p: (p[0].T, p[1].T) if isinstance(p, tuple) else p.T  # noqa: E731
+    return (t(x) if layout[0] == "t" else x), (t(w) if layout[1] == "n" else w)
+
+
+@pytest.mark.parametrize("layout", ["nn", "tn", "tt"])
+@pytest.mark.parametrize("channel", [False, True])
+def test_fp8_layouts_equal_nt_on_the_same_values(keys, layout, channel):
+    m, n, k = 48, 128, 320
+    x, w, a, b = make_inputs(keys, m, n, k)
+    kw = {}
+    if channel:  # per-channel b, float32 d accumulated onto c
+        b = jax_dg.per_token_cast_to_fp8(w)
+        kw = dict(c=jax.random.normal(keys(), (m, n), jnp.float32))
+    fn = getattr(jax_dg, f"fp8_gemm_{layout}")
+    f = lambda a, b: fn(a, b, **kw)  # noqa: E731
+    a_l, b_l = store(layout, a, b)
+    before = digest(a_l, b_l)
+    d = run("auto", f, a_l, b_l)
+    assert digest(a_l, b_l) == before, "inputs were written"
+    nt = run("xla", lambda a, b: jax_dg.fp8_gemm_nt(a, b, **kw), a, b)
+    assert d.shape == (m, n) and d.dtype == (jnp.float32 if channel else jnp.bfloat16)
+    assert jax_dg.calc_diff(d, nt) < 1e-6
+    np.testing.assert_array_equal(np.asarray(run("xla", f, a_l, b_l)), np.asarray(nt))
+    expected = unquantised(x, w) + (np.asarray(kw["c"]) if channel else 0)
+    assert jax_dg.calc_diff(d, expected) < 1e-3
+
+
+@pytest.mark.parametrize("layout,case,arg", [
+    ("nn", "b_scales_not_transposed", "b[1]"), ("tn", "a_scales_not_transposed", "a[1]"),
+    ("tt", "m_align", "a[0]"), ("nn", "k_mismatch", "b[0]"), ("tn", "c_needs_channel_recipe", "c"),
+])
+def test_fp8_layouts_bad_inputs(keys, layout, case, arg):
+    _, _, a, b = make_inputs(keys, 32, 128, 256)
+    a, b = store(layout, a, b)
+    kw = {}
+    if case == "b_scales_not_transposed":
+        b = (b[0], b[1].T)
+    elif case == "a_scales_not_transposed":
+        a = (a[0], a[1].T)
+    elif case == "m_align":
+        a = (a[0][:, :24], a[1][:, :24])
+    elif case == "k_mismatch":
+        b = (b[0][:128], b[1][:1])
+    elif case == "c_needs_channel_recipe":
+        kw = dict(c=jnp.zeros((32, 128), jnp.float32))
+    fn = getattr(jax_dg, f"fp8_gemm_{layout}")
+    with pytest.raises(jax_dg.ArgumentError, match=re.escape(f"fp8_gemm_{layout}: `{arg}`")):
+        jax.jit(lambda a, b: fn(a, b, **kw)).trace(a, b)
+
+
+def bf16_inputs(keys, m, n, k):
+    return (jax.random.normal(keys(), (m, k), jnp.bfloat16),
+            jax.random.normal(keys(), (n, k), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("family", ["bf16_gemm", "cublaslt_gemm"])
+@pytest.mark.parametrize("layout", ["nt", "nn", "tn", "tt"])
+def test_bf16_gemms_match_reference(keys, family, layout):
+    m, n, k = 40, 96, 192
+    x, w = bf16_inputs(keys, m, n, k)
+    fn = getattr(jax_dg, f"{family}_{layout}")
+    a, b = store(layout, x, w)
+    c = jax.random.normal(keys(), (m, n), jnp.float32)
+    before = digest(a, b, c)
+    exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    # bfloat16 d without c; float32 d accumulated onto c (c's dtype picks out_dtype).
+    for f, expected, dtype in ((fn, exact, jnp.bfloat16),
+                               (lambda a, b, c=c: fn(a, b, c=c), exact + np.asarray(c), jnp.float32)):
+        d = run("auto", f, a, b)
+        assert d.shape == (m, n) and d.dtype == dtype
+        ref = run("xla", f, a, b)
+        np.testing.assert_allclose(np.asarray(d, np.float32), np.asarray(ref, np.float32),
+                                   rtol=1e-5 if dtype == jnp.float32 else 2 ** -7, atol=1e-4)
+        assert jax_dg.calc_diff(d, expected) < 1e-5
+    assert digest(a, b, c) == before, "inputs were written"
+
+
+def test_bf16_gemm_bf16_accumulator_is_donated(keys):
+    x, w = bf16_inputs(keys, 16, 64, 128)
+    c = jax.random.normal(keys(), (16, 64), jnp.bfloat16)
+    f = lambda a, b, c: jax_dg.bf16_gemm_nt(a, b, c=c)  # noqa: E731
+    d = jax.jit(f, donate_argnums=2)(x, w, c + 0)
+    assert d.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(run("xla", f, x, w, c)))
+
+
+@pytest.mark.parametrize("fn,case,arg", [
+    ("bf16_gemm_nt", "k_align", "a"), ("bf16_gemm_tn", "m_align", "a"), ("bf16_gemm_nt", "dtype", "a"),
+    ("bf16_gemm_nt", "c_dtype", "c"), ("bf16_gemm_nt", "out_dtype", "out_dtype"),
+    ("cublaslt_gemm_nn", "k_mismatch", "b"), ("bf16_gemm_nn", "rank", "b"),
+])
+def test_bf16_gemms_bad_inputs(keys, fn, case, arg):
+    x, w = bf16_inputs(keys, 16, 64, 128)
+    a, b = store(fn[-2:], x, w)
+    kw = {}
+    if case == "k_align":
+        a, b = a[:, :96], b[:, :96]
+    elif case == "m_align":
+        a = a[:, :12]
+    elif case == "dtype":
+        a = a.astype(jnp.float32)
+    elif case == "c_dtype":
+        kw = dict(c=jnp.zeros((16, 64), jnp.float32), out_dtype=jnp.bfloat16)
+    elif case == "out_dtype":
+        kw = dict(out_dtype=jnp.float16)
+    elif case == "k_mismatch":
+        b = b[:64]
+    elif case == "rank":
+        b = b[None]
+    with pytest.raises(jax_dg.ArgumentError, match=re.escape(f"{fn}: `{arg}`")):
+        jax.jit(lambda a, b: getattr(jax_dg, fn)(a, b, **kw)).trace(a, b)
+
+
+def test_cublaslt_has_no_deep_gemm_alignment_rules(keys):
+    x, w = bf16_inputs(keys, 5, 12, 40)  # K % 64 != 0, M % 8 != 0: fine for cuBLASLt
+    d = run("auto", jax_dg.cublaslt_gemm_tn, x.T, w.T)
+    assert jax_dg.calc_diff(d, np.asarray(x, np.float32) @ np.asarray(w, np.float32).T) < 1e-5
+
+
+# --- GPU: layouts, BF16, cuBLASLt -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nn", "tn", "tt"])
+def test_gpu_fp8_layouts_raise_on_sm90_and_run_the_torch_reference(keys, layout):
+    from jax_dg.backends import deep_gemm as dg_backend
+    if dg_backend.arch_family() != "sm90":
+        pytest.skip("the clear error is SM90's; SM100 runs these kernels")
+    x, w, a, b = make_inputs(keys, 128, 512, 512)
+    a_l, b_l = store(layout, a, b)
+    fn = getattr(jax_dg, f"fp8_gemm_{layout}")
+    with pytest.raises(Exception, match=f"`fp8_gemm_{layout}` has a DeepGEMM kernel only on sm100"):
+        jax.block_until_ready(jax.jit(fn)(a_l, b_l))
+    d = run("torch", fn, a_l, b_l)  # the torch reference through the bridge, on the GPU
+    assert jax_dg.calc_diff(d, run("xla", fn, a_l, b_l)) < 1e-6
+    assert jax_dg.calc_diff(d, unquantised(x, w)) < 1e-3
+
+
+def _gpu_bf16_check(keys, family, layout, m, n, k, out_dtype, accumulate, threshold, repeats=20):
+    import deep_gemm
+    import torch
+    x, w = bf16_inputs(keys, m, n, k)
+    a, b = store(layout, x, w)
+    c = (jax.random.normal(keys(), (m, n), jnp.float32) * 32).astype(out_dtype) if accumulate else None
+    before = digest(a, b, c)
+    fn = getattr(jax_dg, f"{family}_{layout}")
+    f = jax.jit(lambda a, b, c: fn(a, b, c=c, out_dtype=out_dtype))
+    d = f(a, b, c)
+    expected = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    if accumulate:
+        expected = expected + np.asarray(c, np.float32)
+    assert jax_dg.calc_diff(d, np.asarray(jnp.asarray(expected).astype(out_dtype), np.float32)) < threshold
+    # deep_gemm from torch on the same buffers (a [K, M] / b [K, N] go in as they are stored:
+    # deep_gemm's nn / tn / tt transpose them, exactly as the op's call does).
+    tdtype = torch.float32 if out_dtype == jnp.float32 else torch.bfloat16
+    d_t = to_torch(c).clone() if accumulate else torch.empty((m, n), dtype=tdtype, device="cuda")
+    getattr(deep_gemm, f"{family}_{layout}")(to_torch(a), to_torch(b), d_t, c=d_t if accumulate else None)
+    torch.cuda.synchronize()
+    view = d_t if tdtype == torch.float32 else d_t.view(torch.int16)
+    assert bits(d) == view.cpu().numpy().tobytes()
+    assert all(bits(f(a, b, c)) == bits(d) for _ in range(repeats))
+    assert digest(a, b, c) == before, "inputs were written"
+
+
+# DeepGEMM's test_bf16 enumerate_normal (SM90): forward K-major; dgrad with b MN-major (nn);
+# wgrad with both MN-major (tn), float32 accumulated or bfloat16.
+GPU_BF16 = [
+    ("nt", 1, 2112, 7168, jnp.bfloat16, False), ("nt", 128, 24576, 1536, jnp.bfloat16, False),
+    ("nt", 4096, 7168, 2048, jnp.bfloat16, True), ("nt", 4096, 256, 7168, jnp.float32, False),
+    ("nn", 4096, 7168, 2112, jnp.bfloat16, False), ("tn", 2112, 4096, 7168, jnp.float32, True),
+    ("tn", 576, 4096, 7168, jnp.bfloat16, False), ("tt", 512, 1536, 4096, jnp.bfloat16, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,m,n,k,out_dtype,accumulate", GPU_BF16)
+def test_gpu_bf16_gemm_matches_deep_gemm_from_torch(keys, layout, m, n, k, out_dtype, accumulate):
+    _gpu_bf16_check(keys, "bf16_gemm", layout, m, n, k, out_dtype, accumulate, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,m,n,k,out_dtype,accumulate", [
+    ("nt", 4096, 2112, 7168, jnp.bfloat16, False), ("nn", 128, 7168, 2048, jnp.float32, False),
+    ("tn", 2112, 4096, 7168, jnp.float32, True), ("tt", 256, 576, 7168, jnp.bfloat16, False),
+])
+def test_gpu_cublaslt_gemm_matches_deep_gemm_from_torch(keys, layout, m, n, k, out_dtype, accumulate):
+    # DeepGEMM's thresholds: 6e-7, 1e-5 for bfloat16 accumulation.
+    threshold = 1e-5 if accumulate and out_dtype == jnp.bfloat16 else 6e-7
+    _gpu_bf16_check(keys, "cublaslt_gemm", layout, m, n, k, out_dtype, accumulate, threshold)

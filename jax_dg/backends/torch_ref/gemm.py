@@ -24,3 +24,44 @@ def fp8_gemm_nt(a, b, d, c=None, recipe=None, **_unused) -> None:
     if c is not None:
         out = out + c.float()
     d.copy_(out)
+
+
+# --- Layout variants: DeepGEMM's nn / tn / tt are nt on transposed views ----------------------
+# (a "t" operand is stored [K, M], a "n" b is stored [K, N]; scales transpose with their values)
+
+def _t(x):
+    return (x[0].T, x[1].T) if isinstance(x, tuple) else x.T
+
+
+def _layouts(nt, prefix):
+    def variant(layout):
+        a_t, b_n = layout[0] == "t", layout[1] == "n"
+
+        def fn(a, b, d, *args, **kwargs):
+            return nt(_t(a) if a_t else a, _t(b) if b_n else b, d, *args, **kwargs)
+        fn.__name__ = fn.__qualname__ = f"{prefix}_{layout}"
+        return fn
+    return variant("nn"), variant("tn"), variant("tt")
+
+
+fp8_gemm_nn, fp8_gemm_tn, fp8_gemm_tt = _layouts(fp8_gemm_nt, "fp8_gemm")
+
+
+def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk") -> None:
+    """d = a @ b.T (+ c), float32 accumulation."""
+    out = a.float() @ b.float().T
+    if c is not None:
+        out = out + c.float()
+    d.copy_(out)
+
+
+def cublaslt_gemm_nt(a, b, d, c=None) -> None:
+    bf16_gemm_nt(a, b, d, c)
+
+
+bf16_gemm_nn, bf16_gemm_tn, bf16_gemm_tt = _layouts(bf16_gemm_nt, "bf16_gemm")
+cublaslt_gemm_nn, cublaslt_gemm_tn, cublaslt_gemm_tt = _layouts(cublaslt_gemm_nt, "cublaslt_gemm")
+
+__all__ += ["fp8_gemm_nn", "fp8_gemm_tn", "fp8_gemm_tt",
+            "bf16_gemm_nt", "bf16_gemm_nn", "bf16_gemm_tn", "bf16_gemm_tt",
+            "cublaslt_gemm_nt", "cublaslt_gemm_nn", "cublaslt_gemm_tn", "cublaslt_gemm_tt"]
