@@ -42,11 +42,11 @@ def jax_sync(out) -> None:
 
 
 def report(title: str, rows: list[dict], columns: list[tuple[str, str]]) -> None:
-    """Prints a table (last, so it ends the device tool's output) and saves JSON under $OUT."""
+    """Prints a table (last, so it ends the device tool's output); appends JSON to $OUT/bench.jsonl."""
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, f"{title}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        with open(os.path.join(out_dir, "bench.jsonl"), "a") as f:
+            f.write(json.dumps({"title": title, "rows": rows}) + "\n")
     print(f"\n== {title} ==")
     print("  ".join(f"{h:>{max(len(h), 10)}}" for _, h in columns))
     for r in rows:
