@@ -46,4 +46,39 @@ from jax_dg.ops.gemm import (
     fp8_gemm_tt,
 )
 
+# MoE gate, mHC, layouts and routing, capability oracles
+from jax_dg.capability import (
+    DeepGemmQuantScaleFMT,
+    has_deep_gemm,
+    is_deep_gemm_e8m0_used,
+    is_deep_gemm_supported,
+    should_auto_disable_deep_gemm,
+)
+from jax_dg.layout import (
+    get_col_major_tma_aligned_tensor,
+    get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor,
+    get_mk_alignment_for_contiguous_layout,
+    get_mn_major_tma_aligned_packed_ue8m0_tensor,
+    get_mn_major_tma_aligned_tensor,
+    get_theoretical_mk_alignment_for_contiguous_layout,
+    get_tma_aligned_size,
+    mk_alignment_scope,
+    mn_major_logical,
+    pack_ue8m0_to_int,
+    set_mk_alignment_for_contiguous_layout,
+    transform_sf_into_required_layout,
+)
+from jax_dg.ops.mhc import mega_mhc
+from jax_dg.ops.moe_gate import bf16_mega_gate
+from jax_dg.routing import (
+    ContiguousLayout,
+    MaskedLayout,
+    combine_from_contiguous,
+    combine_from_masked,
+    contiguous_layout,
+    masked_layout,
+    permute_to_contiguous,
+    permute_to_masked,
+)
+
 __version__ = "0.1.0"

@@ -1,0 +1,252 @@
+"""DeepGEMM's scale-factor layout helpers and the M/K alignment of contiguous grouped layouts.
+
+JAX arrays have no strides, so where DeepGEMM returns a strided tensor these functions return
+its *physical buffer*: an array whose row-major memory is the storage DeepGEMM's tensor views.
+DeepGEMM's MN-major, TMA-aligned scale tensors of logical shape [..., MN, K'] live in a buffer
+P[..., K', align(MN, 4)] with `sf == P[..., :MN].swapaxes(-1, -2)` (`mn_major_logical` gives
+that view back). DeepGEMM leaves the padding columns MN..align(MN, 4) uninitialised; here
+they are 0. Contiguous results (k-grouped packing, 128 x 128 SFB) are returned as they are.
+
+The functions are pure jax.numpy (jittable; every size argument is a static Python int).
+On a GPU the `@pytest.mark.gpu` tests check them bitwise against deep_gemm's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_dg.core.checks import Checker, align, cdiv
+from jax_dg.quant import ceil_to_ue8m0, pack_ue8m0_to_int
+
+__all__ = [
+    "ceil_to_ue8m0", "pack_ue8m0_to_int", "get_tma_aligned_size", "mn_major_logical",
+    "get_mn_major_tma_aligned_tensor", "get_col_major_tma_aligned_tensor",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor", "transform_sf_into_required_layout",
+    "get_mk_alignment_for_contiguous_layout", "set_mk_alignment_for_contiguous_layout",
+    "mk_alignment_scope", "get_theoretical_mk_alignment_for_contiguous_layout",
+]
+
+F32 = jnp.float32
+LEGACY_MK_ALIGNMENT = 128  # DeepGEMM's kLegacyMKAlignmentForContiguousLayout
+
+
+def get_tma_aligned_size(x: int, element_size: int) -> int:
+    """DeepGEMM's TMA alignment: x rounded up to 16 bytes' worth of elements."""
+    if 16 % element_size:
+        raise ValueError(f"get_tma_aligned_size: element_size must divide 16, got {element_size}")
+    return align(x, 16 // element_size)
+
+
+def mn_major_logical(physical: jax.Array, mn: int) -> jax.Array:
+    """The logical [..., MN, K'] view of an MN-major physical buffer [..., K', align(MN, 4)]."""
+    return physical[..., :mn].swapaxes(-1, -2)
+
+
+def _mn_major_physical(sf: jax.Array) -> jax.Array:
+    mn = sf.shape[-2]
+    pad = [(0, 0)] * (sf.ndim - 1) + [(0, get_tma_aligned_size(mn, 4) - mn)]
+    return jnp.pad(sf.swapaxes(-1, -2), pad)
+
+
+def get_mn_major_tma_aligned_tensor(sf: jax.Array) -> jax.Array:
+    """float32 scales [MN, K'] or [B, MN, K'] -> the physical MN-major TMA-aligned buffer
+    [(B,) K', align(MN, 4)] (DeepGEMM's tensor of strides (1, align(MN, 4)) is its view)."""
+    ck = Checker("get_mn_major_tma_aligned_tensor")
+    ck.dtype(sf, "sf", F32)
+    ck.that(sf.ndim in (2, 3), "sf", "must be 2-D [MN, K'] or 3-D [B, MN, K']", tuple(sf.shape))
+    return _mn_major_physical(sf)
+
+
+def get_col_major_tma_aligned_tensor(x: jax.Array) -> jax.Array:
+    """The seed's name for get_mn_major_tma_aligned_tensor (same physical result)."""
+    return get_mn_major_tma_aligned_tensor(x)
+
+
+def _pack_rows(sf: jax.Array) -> jax.Array:
+    """[..., K'] float32 -> [..., ceil(K'/4)] int32: exponent bytes, 4 per word, zero-padded."""
+    k = sf.shape[-1]
+    pad = [(0, 0)] * (sf.ndim - 1) + [(0, align(k, 4) - k)]
+    return pack_ue8m0_to_int(jnp.pad(sf, pad))
+
+
+def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: jax.Array) -> jax.Array:
+    """Power-of-two float32 scales [(B,) MN, K'] -> packed UE8M0, physical MN-major buffer
+    int32 [(B,) ceil(K'/4), align(MN, 4)]: word p of row i holds the exponent bytes of
+    sf[i, 4p:4p+4] (little end first; missing ones 0). Logical [.., MN, ceil(K'/4)] =
+    mn_major_logical(result, MN).
+
+    Scales must be exact powers of two (UE8M0-cast): like DeepGEMM's torch reference this keeps
+    each exponent byte; DeepGEMM's CUDA kernel would corrupt neighbouring bytes otherwise.
+    """
+    ck = Checker("get_mn_major_tma_aligned_packed_ue8m0_tensor")
+    ck.dtype(sf, "sf", F32)
+    ck.that(sf.ndim in (2, 3), "sf", "must be 2-D [MN, K'] or 3-D [B, MN, K']", tuple(sf.shape))
+    return _mn_major_physical(_pack_rows(sf))
+
+
+def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
+        sf: jax.Array, ks_tensor: jax.Array | None, ks: Sequence[int], gran_k: int) -> jax.Array:
+    """K-grouped scales float32 [sum_g K_g / gran_k, MN] (MN-major rows) -> int32
+    [sum_g ceil(K_g / gran_k / 4), MN], contiguous: each group packs its own rows 4 per word and
+    zero-pads its last word. `ks` (static ints, K_g % gran_k == 0) sizes the groups; `ks_tensor`
+    (DeepGEMM's device copy of ks) is accepted for the seed's signature and not read.
+    Checks as DeepGEMM: at most 128 groups, MN % 4 == 0."""
+    ck = Checker("get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor")
+    ck.ndim(sf, "sf", 2, "[sum_g K_g / gran_k, MN]")
+    ck.dtype(sf, "sf", F32)
+    gran_k = ck.static_int(gran_k, "gran_k", minimum=1)
+    ks = [ck.static_int(k, "ks", minimum=0) for k in ks]
+    sf_k, mn = sf.shape
+    ck.that(len(ks) <= 128, "ks", "may hold at most 128 groups", len(ks))
+    ck.that(mn % 4 == 0, "sf", "must have MN % 4 == 0", mn)
+    ck.that(all(k % gran_k == 0 for k in ks), "ks", f"must be multiples of gran_k = {gran_k}", ks)
+    ck.that(sum(k // gran_k for k in ks) == sf_k, "sf", "must have sum(ks) / gran_k rows",
+            (sf_k, sum(ks) // gran_k))
+    parts, start = [], 0
+    for k in ks:
+        rows = k // gran_k
+        if rows:
+            parts.append(_pack_rows(sf[start:start + rows].T).T)
+        start += rows
+    if not parts:
+        return jnp.zeros((0, mn), jnp.int32)
+    return jnp.concatenate(parts, axis=0)
+
+
+def _default_arch() -> str:
+    from jax_dg import capability
+    family = capability.arch_family()
+    return family if family in ("sm90", "sm100", "sm120") else "sm90"
+
+
+def transform_sf_into_required_layout(sf: jax.Array, mn: int, k: int, recipe, num_groups=None,
+                                      is_sfa=None, disable_ue8m0_cast: bool = False, *,
+                                      arch: str | None = None) -> jax.Array:
+    """The scale layout DeepGEMM's kernels consume, per architecture (DeepGEMM's rules):
+
+    recipe: (gran_m, gran_n, gran_k) with is_sfa (picks gran_m or gran_n), or (gran_mn, gran_k)
+    with is_sfa None. sf: [(G,) ceil(MN / gran_mn), ceil(K / gran_k)] float32, or int32 packed
+    [(G,) MN, ceil(K / gran_k / 4)].
+      SM90 (or disable_ue8m0_cast): float32 (1, 128) -> get_mn_major_tma_aligned_tensor (physical);
+          float32 (128, 128) -> unchanged.
+      SM100/SM120: float32 (gran_mn, 32 or 128) -> rows broadcast to MN, then
+          get_mn_major_tma_aligned_packed_ue8m0_tensor (physical); int32 (1, 32 or 128), logical
+          [.., MN, ceil(K / gran_k / 4)] -> its physical MN-major buffer (DeepGEMM requires the
+          tensor to be in that layout already and returns it as is).
+    The result is always the storage DeepGEMM's kernels read, as a row-major array.
+    arch: "sm90" | "sm100" | "sm120"; None takes the default jax device's family (SM90 rules
+    when it is not a CUDA GPU). Other combinations raise ArgumentError, as DeepGEMM does.
+    """
+    ck = Checker("transform_sf_into_required_layout")
+    recipe = tuple(int(r) for r in recipe)
+    if len(recipe) == 3:
+        ck.that(is_sfa is not None, "is_sfa", "must be given with a 3-element recipe")
+        gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
+    elif len(recipe) == 2:
+        ck.that(is_sfa is None, "is_sfa", "must be None with a 2-element recipe (gran_mn, gran_k)")
+        gran_mn, gran_k = recipe
+    else:
+        ck.fail("recipe", "must be (gran_m, gran_n, gran_k) or (gran_mn, gran_k)", recipe)
+    arch = arch or _default_arch()
+    ck.that(arch in ("sm90", "sm100", "sm120"), "arch", "must be 'sm90', 'sm100' or 'sm120'", arch)
+    ck.dtype(sf, "sf", F32, jnp.int32)
+    is_f32 = sf.dtype == F32
+    ck.ndim(sf, "sf", 2 + (num_groups is not None), "[(G,) MN', K']")
+    if num_groups is not None:
+        ck.that(sf.shape[0] == num_groups, "sf", f"must have num_groups = {num_groups} groups",
+                tuple(sf.shape))
+    expected = (cdiv(mn, gran_mn), cdiv(k, gran_k * (1 if is_f32 else 4)))
+    ck.that(tuple(sf.shape[-2:]) == expected, "sf",
+            f"must end in [ceil(MN / {gran_mn}), ceil(K / {gran_k * (1 if is_f32 else 4)})] = {expected}",
+            tuple(sf.shape))
+    sm90_rules = arch == "sm90" or disable_ue8m0_cast
+    if is_f32 and gran_mn == 1 and gran_k == 128 and sm90_rules:
+        return _mn_major_physical(sf)
+    if is_f32 and gran_mn == 128 and gran_k == 128 and sm90_rules:
+        return sf
+    if is_f32 and gran_k in (32, 128) and not sm90_rules:
+        if gran_mn != 1:
+            sf = jnp.take(sf, jnp.arange(mn) // gran_mn, axis=-2)
+        return _mn_major_physical(_pack_rows(sf))
+    if not is_f32 and gran_mn == 1 and gran_k in (32, 128) and arch != "sm90":
+        return _mn_major_physical(sf)  # DeepGEMM takes it as is: already MN-major and aligned
+    ck.fail("sf", f"has no DeepGEMM layout transformation on {arch} "
+            f"(dtype {jnp.dtype(sf.dtype).name}, gran_mn {gran_mn}, gran_k {gran_k}, "
+            f"disable_ue8m0_cast {disable_ue8m0_cast})")
+
+
+# --- M/K alignment of the contiguous grouped layout ------------------------------------------
+
+_mk_alignment = [LEGACY_MK_ALIGNMENT]
+
+
+def _dg(name: str):
+    from jax_dg.backends import deep_gemm
+    return deep_gemm.resolve(name)
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """The row alignment of each group in m-grouped contiguous layouts (and of K in k-grouped
+    ones): DeepGEMM's global when deep_gemm imports, else jax_dg's (default 128, DeepGEMM's
+    legacy value). An int, as DeepGEMM returns (vLLM's wrapper returns [value, value])."""
+    fn = _dg("get_mk_alignment_for_contiguous_layout")
+    return int(fn()) if fn is not None else _mk_alignment[0]
+
+
+def set_mk_alignment_for_contiguous_layout(value: int) -> None:
+    """Sets the alignment (DeepGEMM's BLOCK_M cap for grouped contiguous GEMMs); in DeepGEMM
+    too when it imports. Group padding must match the kernel's BLOCK_M, so set it before
+    building layouts (jax_dg.routing reads it at trace time)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"set_mk_alignment_for_contiguous_layout: value must be a positive int, "
+                         f"got {value!r}")
+    fn = _dg("set_mk_alignment_for_contiguous_layout")
+    if fn is not None:
+        fn(value)
+    _mk_alignment[0] = value
+
+
+@contextlib.contextmanager
+def mk_alignment_scope(value: int):
+    """Sets the mk alignment for the block and restores the previous value on exit."""
+    prev = get_mk_alignment_for_contiguous_layout()
+    set_mk_alignment_for_contiguous_layout(value)
+    try:
+        yield
+    finally:
+        set_mk_alignment_for_contiguous_layout(prev)
+
+
+def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None,
+                                                       num_groups: int | None = None) -> int:
+    """The alignment DeepGEMM recommends for a grouped call. `expected_m` is the total routed
+    rows (tokens x topk) when `num_groups` (experts on this rank) is given, else per group.
+
+    With deep_gemm: its own answer (older builds take only the per-group m: it is computed as
+    ceil(expected_m / num_groups), as vLLM's wrapper does). Without: DeepGEMM's table for the
+    default device's family: SM100 256; SM120 64 when the per-group m <= 64, else 128; SM90,
+    other GPUs and CPU 128.
+    """
+    if num_groups is not None and num_groups <= 0:
+        raise ValueError(f"num_groups must be positive, got {num_groups}")
+    fn = _dg("get_theoretical_mk_alignment_for_contiguous_layout")
+    if fn is not None:
+        if num_groups is None:
+            return int(fn(expected_m))
+        try:
+            return int(fn(expected_m, num_groups))
+        except TypeError:
+            return int(fn(None if expected_m is None else cdiv(expected_m, num_groups)))
+    per_group = expected_m if num_groups is None or expected_m is None else cdiv(expected_m, num_groups)
+    from jax_dg import capability
+    family = capability.arch_family()
+    if family == "sm100":
+        return 256
+    if family == "sm120":
+        return 64 if per_group is not None and per_group <= 64 else 128
+    return LEGACY_MK_ALIGNMENT
