@@ -28,7 +28,9 @@ def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.A
     xf = x.astype(jnp.float32)
     axes = tuple(range(1, x.ndim))
     amax = jnp.abs(xf).max(axis=axes, keepdims=True) if axes else jnp.abs(xf)
-    sf = jnp.maximum(amax, 1e-4) / FP8_MAX
+    # An opaque full-size divisor: XLA turns `x / broadcast(c)` into `x * broadcast(1/c)`,
+    # which is not the same float32 (DeepGEMM's torch code divides).
+    sf = jnp.maximum(amax, 1e-4) / jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32))
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
     values = (xf * (1.0 / sf)).astype(FP8)

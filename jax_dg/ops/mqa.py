@@ -232,6 +232,7 @@ def _sparse_meta_call(k, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, spars
     head[:m].copy_(ks)
     head[m:2 * m].copy_(ke)
     head[2 * m:].copy_(indices.reshape(-1))
+    out[4 * m * (2 + nmsb):_sparse_header_bytes(m, nmsb)].zero_()
     meta = k.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, getattr(torch, qk_dtype),
                                             sparse_block_kv, use_unaligned_ks=True)
     meta = meta.contiguous().view(torch.uint8).reshape(-1)

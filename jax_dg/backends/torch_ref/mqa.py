@@ -111,7 +111,8 @@ def get_sparse_mqa_logits_metadata(cu_seq_len_k_start, cu_seq_len_k_end, num_kv_
 
 
 def _unpack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
-    return (sf.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    exps = sf.contiguous().view(torch.uint8).view(*sf.shape, 4).to(torch.int32)
+    return (exps << 23).view(torch.float32)
 
 
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
