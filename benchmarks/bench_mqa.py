@@ -1,0 +1,118 @@
+"""mqa_logits: deep_gemm from torch vs jax_dg inside jit vs plain jax.numpy, one run.
+
+    python benchmarks/bench_mqa.py        (needs a CUDA device and deep_gemm)
+
+DeepSeek V3.2 indexer shapes (H=64, D=128), causal prefill masks as in DeepGEMM's test
+(ks = 0, ke = arange(S) + SK - S). Rows:
+  full         the [S, SK] form, -inf outside [ks, ke) (DeepGEMM's clean_logits=True)
+  compressed   the [S, max(ke-ks)] form; torch: DeepGEMM's raw output (tail unwritten),
+               jax_dg: the tail set to -inf in the same pass as the copy
+ratio = torch time / jax_dg time (target >= 0.98). DeepGEMM allocates its output, so jax_dg
+copies it into XLA's buffer; `copy us` times that copy alone (a torch copy of DeepGEMM's padded
+view into a contiguous tensor of the same size, on the GPU) and `copy %` is its share of jax_dg.
+The plain jax.numpy contender computes the same formula a block of query rows at a time
+(lax.map), never holding [S, H, SK] scores.
+"""
+
+from __future__ import annotations
+
+import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import deep_gemm
+import jax_dg
+
+SHAPES = [(2048, 8192), (4096, 32768)]
+H, D = 64, 128
+# Scores per block of the plain jnp version (float32 elements): 2**28 = 1 GiB.
+PLAIN_BLOCK_ELEMENTS = 1 << 28
+
+
+def to_torch(x):
+    if x.dtype == jnp.float8_e4m3fn:
+        return torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_dlpack(x)
+
+
+def plain_jnp(q, kv, weights, ks, ke):
+    """What one would write in jax.numpy: FP8 -> bf16 (exact) dots with float32 accumulation."""
+    (qv, _), (kvv, kv_sf) = q, kv
+    m, h, d = qv.shape
+    n = kvv.shape[0]
+    block = max(1, min(m, PLAIN_BLOCK_ELEMENTS // (h * n)))
+    while m % block:
+        block -= 1
+    k = kvv.astype(jnp.bfloat16)
+    pos = jnp.arange(n, dtype=jnp.int32)
+
+    def rows(x):
+        qb, wb, ksb, keb = x
+        s = jnp.einsum("mhd,nd->mhn", qb.astype(jnp.bfloat16), k, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("mhn,mh->mn", jnp.maximum(s, 0.0), wb) * kv_sf[None, :]
+        valid = (pos[None, :] >= ksb[:, None]) & (pos[None, :] < keb[:, None])
+        return jnp.where(valid, logits, -jnp.inf)
+
+    blocks = (qv.reshape(m // block, block, h, d), weights.reshape(m // block, block, h),
+              ks.reshape(m // block, block), ke.reshape(m // block, block))
+    return jax.lax.map(rows, blocks).reshape(m, n)
+
+
+def inputs(s, sk):
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(s + sk), 3)
+    q = (jax.random.normal(kq, (s, H, D), jnp.bfloat16).astype(jnp.float8_e4m3fn), None)
+    kv = jax_dg.per_row_cast_to_fp8(jax.random.normal(kk, (sk, D), jnp.bfloat16))
+    w = jax.random.normal(kw, (s, H), jnp.float32)
+    ks, ke = jax_dg.causal_ks_ke(s, sk, include_self=False)
+    return q, kv, w, ks, ke
+
+
+def bench_shape(s, sk):
+    q, kv, w, ks, ke = inputs(s, sk)
+    tq, tkv, tw, tks, tke = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+    msk = int((ke - ks).max())
+    # Causal: the kernel scores about S * (SK - S/2) (row, key) pairs.
+    flops = 2 * H * D * s * (sk - s / 2)
+    n_iter = 50 if s * sk <= 2048 * 8192 else 20
+    rows = []
+    for form, width in (("full", 0), ("compressed", msk)):
+        row = {"shape": f"S{s} SK{sk}", "form": form}
+        clean = width == 0
+
+        def dg():
+            return deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, tw, tks, tke,
+                                                clean_logits=clean, max_seqlen_k=width)
+        row["torch_us"] = timing.per_call_us(dg, timing.torch_sync, n_iter)
+        f = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None))
+        row["jax_dg_us"] = timing.per_call_us(lambda: f(q, kv, w, ks, ke), timing.jax_sync, n_iter)
+        # The copy alone: DeepGEMM's padded view into a contiguous tensor of the same shape.
+        view = dg()
+        dst = torch.empty(view.shape, dtype=view.dtype, device="cuda")
+        row["copy_us"] = timing.per_call_us(lambda: dst.copy_(view), timing.torch_sync, n_iter)
+        del view, dst
+        row["torch/jax_dg"] = row["torch_us"] / row["jax_dg_us"]
+        row["copy_%"] = 100 * row["copy_us"] / row["jax_dg_us"]
+        row["jax_dg_TFLOPs"] = flops / row["jax_dg_us"] / 1e6
+        if clean:
+            g = jax.jit(plain_jnp)
+            row["jnp_us"] = timing.per_call_us(lambda: g(q, kv, w, ks, ke), timing.jax_sync, 5)
+            row["jnp/jax_dg"] = row["jnp_us"] / row["jax_dg_us"]
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, "
+          f"deep_gemm {getattr(deep_gemm, '__version__', '?')}, H={H}, D={D}")
+    rows = [r for s, sk in SHAPES for r in bench_shape(s, sk)]
+    timing.report("mqa_logits", rows, [
+        ("shape", "shape"), ("form", "form"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
+        ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"), ("jnp/jax_dg", "jnp/jax_dg"),
+        ("copy_us", "copy us"), ("copy_%", "copy %"), ("jax_dg_TFLOPs", "TFLOP/s")])
+
+
+if __name__ == "__main__":
+    main()
