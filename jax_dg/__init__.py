@@ -32,6 +32,7 @@ from jax_dg.ops.mqa import (
 )
 
 # GEMM family: FP8/BF16 layouts, cuBLASLt, grouped (MoE), einsum, hyper-connection
+from jax_dg.ops.einsum import einsum, fp8_einsum
 from jax_dg.ops.gemm import (
     bf16_gemm_nn,
     bf16_gemm_nt,
@@ -45,6 +46,15 @@ from jax_dg.ops.gemm import (
     fp8_gemm_tn,
     fp8_gemm_tt,
 )
+from jax_dg.ops.grouped import (
+    fp8_m_grouped_gemm_nt_masked,
+    k_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_bf16_gemm_nt_contiguous,
+    m_grouped_bf16_gemm_nt_masked,
+    m_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_fp8_gemm_nt_masked,
+)
+from jax_dg.ops.hyperconnection import tf32_hc_prenorm_gemm
 
 # MoE gate, mHC, layouts and routing, capability oracles
 from jax_dg.capability import (

@@ -36,6 +36,8 @@ NAMES: dict[str, tuple[str, ...]] = {
                                         "get_col_major_tma_aligned_tensor"),
     "get_mk_alignment_for_contiguous_layout": ("get_mk_alignment_for_contiguous_layout",
                                                "get_m_alignment_for_contiguous_layout"),
+    "m_grouped_bf16_gemm_nt_masked": ("m_grouped_bf16_gemm_nt_masked",
+                                      "bf16_m_grouped_gemm_nt_masked"),
 }
 
 

@@ -9,3 +9,6 @@ from jax_dg.backends.torch_ref.gemm import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.mqa import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.moe_gate import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.mhc import *  # noqa: F401,F403
+from jax_dg.backends.torch_ref.grouped import *  # noqa: F401,F403
+from jax_dg.backends.torch_ref.einsum import *  # noqa: F401,F403
+from jax_dg.backends.torch_ref.hyperconnection import *  # noqa: F401,F403

@@ -1,0 +1,69 @@
+"""Torch reference of DeepGEMM's grouped GEMMs (same signatures as deep_gemm's).
+
+Rows DeepGEMM leaves unspecified (-1 rows of the contiguous layout, rows past masked_m) are
+written as 0 here, which is one of the values the contract allows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jax_dg.backends.torch_ref.common import dequant
+
+__all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+           "fp8_m_grouped_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
+           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
+           "bf16_m_grouped_gemm_nt_masked"]
+
+
+def _contiguous(x, w, d, grouped_layout):
+    out = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
+    for g in range(w.shape[0]):
+        rows = grouped_layout == g
+        out[rows] = x[rows] @ w[g].T
+    d.copy_(out)
+
+
+def _masked(x, w, d, masked_m):
+    rows = torch.arange(x.shape[1], device=x.device)[None, :] < masked_m[:, None].to(x.device)
+    d.copy_(torch.where(rows[:, :, None], torch.bmm(x, w.mT), 0))
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, **_unused) -> None:
+    """d[r] = a[r] @ b[grouped_layout[r]].T; rows with id -1 (padding) -> 0."""
+    _contiguous(dequant(*a, 1, 128), dequant(*b, 128, 128), d, grouped_layout)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, **_unused) -> None:
+    """d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T; the remaining rows -> 0."""
+    _masked(dequant(*a, 1, 128), dequant(*b, 128, 128), d, masked_m)
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_tensor, c=None, recipe=(1, 1, 128),
+                                     compiled_dims="mn") -> None:
+    """d[g] = c[g] + A_g @ B_g.T; A_g is a[0]'s block g viewed [M, ks[g]], scaled by a[1][m, kb]."""
+    (av, sfa), (bv, sfb) = a, b
+    _, m, n = d.shape
+    out = c.float().clone() if c is not None else torch.zeros(d.shape, device=d.device)
+    av, bv, off = av.reshape(-1), bv.reshape(-1), 0
+    for g, kg in enumerate(ks):
+        if kg:
+            blocks = slice(off // 128, (off + kg) // 128)
+            x = dequant(av[off * m:(off + kg) * m].view(m, kg), sfa[:, blocks], 1, 128)
+            y = dequant(bv[off * n:(off + kg) * n].view(n, kg), sfb[:, blocks], 1, 128)
+            out[g] += x @ y.T
+        off += kg
+    d.copy_(out)
+
+
+def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk", **_unused) -> None:
+    _contiguous(a.float(), b.float(), d, grouped_layout)
+
+
+def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:
+    _masked(a.float(), b.float(), d, masked_m)
+
+
+# DeepGEMM's legacy aliases
+fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
+bf16_m_grouped_gemm_nt_masked = m_grouped_bf16_gemm_nt_masked
