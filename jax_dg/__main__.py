@@ -110,7 +110,7 @@ def collect() -> dict[str, Any]:
     family = capability.arch_family(first)
     backend = info["requested_backend"]
     ops = []
-    for name in sorted(bridge._OPS):
+    for name in sorted(n for n in bridge._OPS if not n.startswith("_")):  # "_": test-only ops
         op = bridge._OPS[name]
         native, how = op_status(op, first.platform, family, backend)
         ops.append({"name": name, "kernels": list(op.kernels), "archs": sorted(op.archs),

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dg.core.checks import Checker, align, cdiv
 from jax_dg.quant import ceil_to_ue8m0, pack_ue8m0_to_int
@@ -107,15 +108,19 @@ def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
     ck.that(all(k % gran_k == 0 for k in ks), "ks", f"must be multiples of gran_k = {gran_k}", ks)
     ck.that(sum(k // gran_k for k in ks) == sf_k, "sf", "must have sum(ks) / gran_k rows",
             (sf_k, sum(ks) // gran_k))
-    parts, start = [], 0
+    # One gather: packed row q of group g takes that group's scale rows 4j..4j+3 (j = q's word)
+    src, valid, start = [], [], 0
     for k in ks:
         rows = k // gran_k
-        if rows:
-            parts.append(_pack_rows(sf[start:start + rows].T).T)
+        word_rows = np.arange(align(rows, 4)).reshape(-1, 4)
+        src.append(start + np.minimum(word_rows, max(rows - 1, 0)))
+        valid.append(word_rows < rows)
         start += rows
-    if not parts:
+    if not src or sum(len(v) for v in valid) == 0:
         return jnp.zeros((0, mn), jnp.int32)
-    return jnp.concatenate(parts, axis=0)
+    src, valid = np.concatenate(src), np.concatenate(valid)
+    words = jnp.where(jnp.asarray(valid)[:, :, None], sf[jnp.asarray(src, jnp.int32)], 0.0)
+    return pack_ue8m0_to_int(words.swapaxes(1, 2)).reshape(len(src), mn)
 
 
 def _default_arch() -> str:

@@ -1,0 +1,95 @@
+"""Capability oracles: per-device arch, env switches, the scale-format oracle, the model table."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import jax_dg
+from jax_dg import capability
+
+
+def gpu(cc: str, id: int = 0):
+    return types.SimpleNamespace(platform="gpu", compute_capability=cc, id=id, device_kind="fake")
+
+
+CPU = types.SimpleNamespace(platform="cpu", id=0, device_kind="cpu")
+H200, B200, B300, RTX, A100 = gpu("9.0", 0), gpu("10.0", 1), gpu("10.3", 2), gpu("12.0", 3), gpu("8.0", 4)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """deep_gemm 'installed' with an fp8_gemm_nt, default switches, a fresh oracle cache."""
+    monkeypatch.setattr(capability, "has_deep_gemm", lambda: True)
+    monkeypatch.setattr(capability, "_has_fp8_gemm_nt", lambda: True)
+    monkeypatch.delenv(capability.ENV_USE_DEEP_GEMM, raising=False)
+    monkeypatch.delenv(capability.ENV_USE_DEEP_GEMM_E8M0, raising=False)
+    capability.DeepGemmQuantScaleFMT.clear_oracle_cache()
+    yield monkeypatch
+    capability.DeepGemmQuantScaleFMT.clear_oracle_cache()
+
+
+def test_arch_per_device():
+    assert capability.device_arch(H200) == "sm90" and capability.arch_family(H200) == "sm90"
+    assert capability.device_arch(B300) == "sm103" and capability.arch_family(B300) == "sm100"
+    assert capability.arch_family(RTX) == "sm120" and capability.arch_family(A100) == "sm80"
+    assert capability.device_arch(CPU) is None and capability.arch_family(CPU) is None
+    assert capability.device_capability(gpu("gfx942")) is None
+    assert capability.is_device_capability_family(100, B300)
+    assert not capability.is_device_capability_family(100, H200)
+
+
+def test_supported_per_device(env):
+    assert [jax_dg.is_deep_gemm_supported(d) for d in (H200, B200, B300, RTX, A100, CPU)] == \
+        [True, True, True, False, False, False]
+    env.setenv(capability.ENV_USE_DEEP_GEMM, "0")
+    assert not jax_dg.is_deep_gemm_supported(H200)
+    env.setenv(capability.ENV_USE_DEEP_GEMM, "1")
+    env.setattr(capability, "has_deep_gemm", lambda: False)
+    assert not jax_dg.is_deep_gemm_supported(H200)
+
+
+def test_e8m0_used(env):
+    assert jax_dg.is_deep_gemm_e8m0_used(H200) and jax_dg.is_deep_gemm_e8m0_used(B200)
+    assert not jax_dg.is_deep_gemm_e8m0_used(CPU)
+    env.setenv(capability.ENV_USE_DEEP_GEMM_E8M0, "0")
+    assert not jax_dg.is_deep_gemm_e8m0_used(H200)
+    env.delenv(capability.ENV_USE_DEEP_GEMM_E8M0)
+    env.setattr(capability, "_has_fp8_gemm_nt", lambda: False)
+    assert not jax_dg.is_deep_gemm_e8m0_used(H200)
+
+
+def test_scale_format_oracle_per_device_and_cached(env):
+    fmt = jax_dg.DeepGemmQuantScaleFMT
+    assert fmt.from_oracle(H200) is fmt.FLOAT32_CEIL_UE8M0
+    assert fmt.from_oracle(B200) is fmt.UE8M0
+    assert fmt.from_oracle(CPU) is fmt.FLOAT32
+    env.setenv(capability.ENV_USE_DEEP_GEMM_E8M0, "0")
+    assert fmt.from_oracle(H200) is fmt.FLOAT32_CEIL_UE8M0, "decided once per device"
+    fmt.clear_oracle_cache()
+    fmt.init_oracle_cache(H200)
+    assert fmt.from_oracle(H200) is fmt.FLOAT32
+    assert [m.name for m in fmt] == ["FLOAT32", "FLOAT32_CEIL_UE8M0", "UE8M0"]
+
+
+def test_should_auto_disable_deep_gemm_table():
+    for model in capability.DEEP_GEMM_EXCLUDED_MODEL_TYPES:
+        assert jax_dg.should_auto_disable_deep_gemm(model, B200)
+        assert jax_dg.should_auto_disable_deep_gemm(model, B300)
+        assert jax_dg.should_auto_disable_deep_gemm(model, RTX)
+        assert not jax_dg.should_auto_disable_deep_gemm(model, H200)
+        assert not jax_dg.should_auto_disable_deep_gemm(model, CPU)
+    assert "qwen3_5_moe_text" in capability.DEEP_GEMM_EXCLUDED_MODEL_TYPES
+    assert not jax_dg.should_auto_disable_deep_gemm("deepseek_v3", B200)
+    assert not jax_dg.should_auto_disable_deep_gemm(None, B200)
+
+
+def test_real_devices_of_this_process():
+    import jax
+    for dev in jax.devices():
+        supported = jax_dg.is_deep_gemm_supported(dev)
+        if dev.platform != "gpu":
+            assert not supported and capability.device_arch(dev) is None
+    assert jax_dg.is_deep_gemm_supported() == jax_dg.is_deep_gemm_supported(0)
+    assert isinstance(jax_dg.has_deep_gemm(), bool)
