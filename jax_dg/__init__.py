@@ -31,6 +31,21 @@ from jax_dg.ops.mqa import (
     mqa_logits,
 )
 
+# Paged MQA logits (the indexer's decode step), schedule metadata, paged KV-cache helpers
+from jax_dg.ops.paged_mqa import (
+    fp8_fp4_paged_mqa_logits,
+    fp8_fp4_paged_sparse_mqa_logits,
+    get_paged_mqa_logits_metadata,
+    get_paged_mqa_page_sizes,
+    get_paged_sparse_mqa_logits_metadata,
+    has_deep_gemm_sparse_mqa,
+    mqa_logits_mx_inputs,
+    mqa_logits_use_mx_scales,
+    native_next_n_supported,
+    paged_mqa_logits,
+)
+from jax_dg import paged  # jax_dg.paged: pack/unpack paged KV caches, build block tables
+
 # GEMM family: FP8/BF16 layouts, cuBLASLt, grouped (MoE), einsum, hyper-connection
 from jax_dg.ops.einsum import einsum, fp8_einsum
 from jax_dg.ops.gemm import (

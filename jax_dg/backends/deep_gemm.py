@@ -53,8 +53,12 @@ def _adapt_mqa_logits(legacy: Callable) -> Callable:
 
 
 def _adapt_paged_mqa_logits(legacy: Callable) -> Callable:
+    # fp8_paged_mqa_logits(q, kv_cache, ...) takes q alone and has no logits_dtype.
     def call(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
              clean_logits=False, logits_dtype=None, **kwargs):
+        if q[1] is not None or str(logits_dtype) not in ("None", "float32", "torch.float32"):
+            raise RuntimeError("jax_dg: this DeepGEMM's fp8_paged_mqa_logits takes no q scale and "
+                               "returns float32 logits only")
         return legacy(q[0], kv_cache, weights, context_lens, block_table, schedule_meta,
                       max_context_len, clean_logits=clean_logits, **kwargs)
     return call

@@ -7,6 +7,7 @@ on CPU. Each family lives in its own module.
 
 from jax_dg.backends.torch_ref.gemm import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.mqa import *  # noqa: F401,F403
+from jax_dg.backends.torch_ref.paged_mqa import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.moe_gate import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.mhc import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.grouped import *  # noqa: F401,F403

@@ -1,0 +1,209 @@
+"""Paged KV caches in DeepGEMM's block layout, and block tables, in JAX.
+
+DeepGEMM's paged MQA-logits kernels read an FP8 key cache of shape
+`uint8 [num_blocks, block_size, 1, D + 4]`. The 4-D shape is only a view: each block is
+`block_size * (D + 4)` bytes holding first the block's `block_size` FP8 rows (token-major,
+`block_size * D` bytes), then their `block_size` float32 dequantisation scales
+(`block_size * 4` bytes), not one scale after each row. With MX scales (SM100) the 4 bytes
+of a token are its packed UE8M0 exponents (int32) instead of a float32.
+
+Rows are quantised as DeepGEMM's tests do (`kv_cache_cast_to_fp8`): per token,
+`sf = max(amax(|k|), 1e-4) / 448`, values `k * (1 / sf)` cast to float8_e4m3fn.
+
+A block table `int32 [B, max_blocks]` maps the logical block `i` of sequence `b` (tokens
+`i*block_size ... (i+1)*block_size - 1`) to a physical block of the cache. JAX arrays are
+always contiguous, so torch's concern about block tables whose last stride is not 1 does not
+arise here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dg.core.checks import ArgumentError, Checker
+from jax_dg.quant import FP8_MAX
+
+FP8 = jnp.float8_e4m3fn
+SCALE_BYTES = 4
+
+__all__ = [
+    "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
+    "kv_cache_from_rows", "kv_cache_from_sequences", "slot_mapping", "build_block_tables",
+]
+
+
+def _check_cache(ck: Checker, kv_cache, arg: str = "kv_cache") -> tuple[int, int, int]:
+    ck.ndim(kv_cache, arg, 4, "[num_blocks, block_size, 1, D + 4]")
+    ck.dtype(kv_cache, arg, jnp.uint8)
+    nb, blk, heads, dp4 = kv_cache.shape
+    ck.that(heads == 1, arg, "must have one KV head: shape [num_blocks, block_size, 1, D + 4]",
+            tuple(kv_cache.shape))
+    ck.that(dp4 > SCALE_BYTES, arg, "must have a last dim D + 4 with D > 0", tuple(kv_cache.shape))
+    return nb, blk, dp4 - SCALE_BYTES
+
+
+@jax.jit
+def pack_kv_cache(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """Packs FP8 rows and their scales into DeepGEMM's paged block layout.
+
+    values: float8_e4m3fn [num_blocks, block_size, D] (or int8 [.., D/2], packed MXFP4)
+    scales: float32 [num_blocks, block_size] (or int32 packed UE8M0 for MX caches)
+    Returns uint8 [num_blocks, block_size, 1, D + 4] (D/2 + 4 for packed FP4).
+    """
+    ck = Checker("pack_kv_cache")
+    ck.ndim(values, "values", 3, "[num_blocks, block_size, D]")
+    ck.dtype(values, "values", FP8, jnp.int8)
+    nb, blk, d = values.shape
+    ck.tensor(scales, "scales", [jnp.float32, jnp.int32], (nb, blk), "[num_blocks, block_size]")
+    v = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(nb, blk * d)
+    s = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(nb, blk * SCALE_BYTES)
+    return jnp.concatenate([v, s], axis=1).reshape(nb, blk, 1, d + SCALE_BYTES)
+
+
+@functools.partial(jax.jit, static_argnames=("mx_scales", "value_dtype"))
+def unpack_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False,
+                    value_dtype=FP8) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `pack_kv_cache`: (values [num_blocks, block_size, D] of `value_dtype`
+    (float8_e4m3fn, or int8 for packed MXFP4), float32 scales [num_blocks, block_size],
+    or int32 packed UE8M0 with `mx_scales`)."""
+    nb, blk, d = _check_cache(Checker("unpack_kv_cache"), kv_cache)
+    flat = kv_cache.reshape(nb, blk * (d + SCALE_BYTES))
+    values = jax.lax.bitcast_convert_type(flat[:, :blk * d].reshape(nb, blk, d), value_dtype)
+    scales = jax.lax.bitcast_convert_type(flat[:, blk * d:].reshape(nb, blk, SCALE_BYTES),
+                                          jnp.int32 if mx_scales else jnp.float32)
+    return values, scales
+
+
+def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., D] -> (float8 [..., D], float32 scales [...]): one scale per row (token),
+    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (torch, IEEE division).
+
+    XLA's algebraic simplifier turns `amax / 448` into `amax * (1/448)` and
+    `1 / (amax / 448)` into `448 / amax`; both round differently. The optimisation barriers
+    keep the two divisions as written."""
+    barrier = jax.lax.optimization_barrier
+    x = k.astype(jnp.float32)
+    amax = jnp.maximum(jnp.abs(x).max(axis=-1, keepdims=True), 1e-4)
+    sf = barrier(amax / barrier(jnp.full_like(amax, FP8_MAX)))
+    inv = barrier(1.0 / sf)
+    return (x * inv).astype(FP8), sf[..., 0]
+
+
+@jax.jit
+def quantize_kv_cache(k: jax.Array) -> jax.Array:
+    """Unquantised keys [num_blocks, block_size, D] (or [..., block_size, 1, D]) -> the FP8
+    paged cache uint8 [num_blocks, block_size, 1, D + 4] (DeepGEMM's `kv_cache_cast_to_fp8`)."""
+    if k.ndim == 4 and k.shape[2] == 1:
+        k = k[:, :, 0]
+    if k.ndim != 3:
+        raise ArgumentError(f"quantize_kv_cache: `k` must be [num_blocks, block_size, D], got {k.shape}")
+    return pack_kv_cache(*_quantize_rows(k))
+
+
+@jax.jit
+def dequantize_kv_cache(kv_cache: jax.Array, block_tables: jax.Array | None = None) -> jax.Array:
+    """float32 keys of an FP8 paged cache: [num_blocks, block_size, D], or with `block_tables`
+    [B, max_blocks]: each sequence's keys gathered in logical order, [B, max_blocks * block_size, D]."""
+    values, scales = unpack_kv_cache(kv_cache)
+    k = values.astype(jnp.float32) * scales[..., None]
+    if block_tables is None:
+        return k
+    b, w = block_tables.shape
+    return k[block_tables].reshape(b, w * k.shape[1], k.shape[2])
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "block_size"))
+def kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
+    """Quantises key rows [N, D] into a fresh paged cache; row i goes to cache slot `slots[i]`
+    (= physical block * block_size + offset in the block). Slots outside the cache are dropped;
+    slots no row writes hold zeros (value 0, scale 0)."""
+    if k.ndim != 2 or slots.shape != k.shape[:1]:
+        raise ArgumentError(f"kv_cache_from_rows: `k` must be [N, D] and `slots` [N], got "
+                            f"{k.shape} and {slots.shape}")
+    d = k.shape[1]
+    values, sf = _quantize_rows(k)
+    n = num_blocks * block_size
+    slots = jnp.where((slots >= 0) & (slots < n), slots, n).astype(jnp.int32)
+    v = jnp.zeros((n, d), jnp.uint8).at[slots].set(
+        jax.lax.bitcast_convert_type(values, jnp.uint8), mode="drop")
+    s = jnp.zeros((n,), jnp.float32).at[slots].set(sf, mode="drop")
+    return pack_kv_cache(jax.lax.bitcast_convert_type(v, FP8).reshape(num_blocks, block_size, d),
+                         s.reshape(num_blocks, block_size))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "seq_len"))
+def slot_mapping(block_tables: jax.Array, block_size: int, seq_len: int) -> jax.Array:
+    """int32 [B, seq_len]: the cache slot of token t of sequence b,
+    `block_tables[b, t // block_size] * block_size + t % block_size`."""
+    t = jnp.arange(seq_len, dtype=jnp.int32)
+    blocks = block_tables[:, jnp.minimum(t // block_size, block_tables.shape[1] - 1)]
+    return blocks * block_size + t % block_size
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks"))
+def kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: int, num_blocks: int,
+                            context_lens: jax.Array | None = None) -> jax.Array:
+    """Quantises per-sequence keys [B, S, D] into a paged cache through `block_tables`.
+
+    Token t of sequence b lands in logical block t // block_size of that sequence; tokens at
+    t >= context_lens[b] (when given) or beyond the table are not written.
+    """
+    b, s, d = k.shape
+    slots = slot_mapping(block_tables, block_size, s)
+    t = jnp.arange(s, dtype=jnp.int32)[None, :]
+    keep = t < block_tables.shape[1] * block_size
+    if context_lens is not None:
+        keep = keep & (t < context_lens.reshape(b, -1)[:, -1:])
+    slots = jnp.where(keep, slots, -1)
+    return kv_cache_from_rows(k.reshape(b * s, d), slots.reshape(-1), num_blocks, block_size)
+
+
+def build_block_tables(context_lens, block_size: int, *, num_blocks: int | None = None,
+                       key: jax.Array | None = None, width: int | None = None,
+                       even_width: bool | None = None) -> tuple[jax.Array, int]:
+    """Block tables for sequences of the given (concrete) lengths: (int32 [B, width], num_blocks).
+
+    Sequence b needs ceil(context_lens[b] / block_size) blocks (for 2-D lengths, the last
+    column). Physical blocks are handed out in order (contiguous), or, with a `key` (a JAX
+    PRNG key or an int seed), as
+    a random permutation of range(num_blocks) (default: exactly the blocks needed) drawn on
+    the host from the key's bits (no device work, the same key gives the same table). Unused
+    entries hold block 0, a valid id. The width defaults to the longest sequence's block count,
+    rounded up to an even number for block_size 32 (DeepGEMM reads those tables in pairs).
+    """
+    ctx = np.asarray(jax.device_get(context_lens))
+    if ctx.ndim == 2:
+        ctx = ctx[:, -1]
+    if ctx.ndim != 1:
+        raise ArgumentError(f"build_block_tables: `context_lens` must be [B] or [B, next_n], got {ctx.shape}")
+    need = -(-np.maximum(ctx.astype(np.int64), 0) // block_size)
+    total = int(need.sum())
+    num_blocks = max(total, 1) if num_blocks is None else int(num_blocks)
+    if num_blocks < max(total, 1):
+        raise ArgumentError(f"build_block_tables: `num_blocks` must be >= the {total} blocks the "
+                            f"sequences need, got {num_blocks}")
+    w = max(int(need.max(initial=0)), 1) if width is None else int(width)
+    if w < int(need.max(initial=0)):
+        raise ArgumentError(f"build_block_tables: `width` must be >= {int(need.max())}, got {w}")
+    if (block_size == 32 if even_width is None else even_width) and w % 2:
+        w += 1
+    if key is None:
+        ids = np.arange(num_blocks)
+    else:
+        if isinstance(key, (int, np.integer)):
+            bits = [int(key)]
+        else:
+            key = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+            bits = np.asarray(key).astype(np.uint32).ravel().tolist()
+        ids = np.random.default_rng(bits).permutation(num_blocks)
+    ids = ids[:total]
+    table = np.zeros((ctx.shape[0], w), np.int32)
+    starts = np.concatenate([[0], np.cumsum(need)])
+    for b, n in enumerate(need):
+        table[b, :n] = ids[starts[b]:starts[b] + n]
+    return jnp.asarray(table), num_blocks
+

@@ -1,0 +1,243 @@
+"""Pure-JAX references of the paged MQA-logits family: schedule metadata, dense and sparse logits.
+
+The schedule-metadata reference is DeepGEMM 2.5.0's algorithm (scheduler/paged_mqa_logits.cuh,
+SM90: one next_n atom per request, 256-token splits), bit-exact. The logits references follow
+the formula of DeepGEMM's tests on the dequantised keys:
+
+    logits[b*next_n + j, t] = sum_h relu(q[b, j, h] . k[b, t]) * weights[b*next_n + j, h]
+                              for t < context_lens[b, j], -inf elsewhere,
+
+with k[b, t] the float32 key of token t of sequence b read through `block_tables`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dg.core.checks import align, cdiv
+from jax_dg.paged import unpack_kv_cache
+from jax_dg.reference.mqa import mx_dequant, sparse_columns, weighted_relu_logits
+
+SPLIT_KV = 256            # tokens per schedule split (SM90 kernel)
+MX_HEAD_DIM = 128         # four UE8M0 bytes (one int32) per row, one per 32 elements
+SPARSE_SPLIT_KV = {"float8_e4m3fn": 512, "int8": 640}   # by qk dtype (MXFP8, packed MXFP4)
+META_ALIGN = 256
+_CHUNK_BYTES = 1 << 28    # per-chunk working set of the logits references
+NEG_INF = float("-inf")
+
+
+# --- schedule metadata --------------------------------------------------------------------
+
+def _upper_bound(prefix: jax.Array, x: jax.Array) -> jax.Array:
+    """int32: how many entries of the sorted `prefix` are <= each x (searchsorted, right)."""
+    small = prefix.shape[0] * x.shape[0] <= 1 << 22          # cheaper to compile and run
+    return jnp.searchsorted(prefix, x, side="right", method="compare_all" if small else "scan"
+                            ).astype(jnp.int32)
+
+
+def paged_mqa_logits_metadata(context_lens: jax.Array, *, num_sms: int,
+                              split_kv: int = SPLIT_KV) -> jax.Array:
+    """int32 [num_sms + 1, 2]: (first batch row, first 256-token split) of each SM's work.
+
+    Only the last column of `context_lens` [B, next_n] counts. Work is the total number of
+    splits, divided as evenly as possible (the last `total % num_sms` SMs take one more);
+    the last row is the sentinel (B, 0). All-zero lengths give (B - 1, 0) everywhere but the
+    sentinel, as DeepGEMM 2.5.0 does.
+    """
+    b = context_lens.shape[0]
+    last = jnp.maximum(context_lens[:, -1].astype(jnp.int32), 0)
+    prefix = jnp.cumsum((last + split_kv - 1) // split_kv)          # inclusive, int32
+    total = prefix[-1]
+    q, r = total // num_sms, total % num_sms
+    sm = jnp.arange(num_sms, dtype=jnp.int32)
+    seg = sm * q + jnp.maximum(sm - (num_sms - r), 0)
+    row = jnp.minimum(_upper_bound(prefix, seg), b - 1)
+    base = jnp.where(row > 0, prefix[jnp.maximum(row - 1, 0)], 0)
+    n = prefix[row] - base
+    off = seg - base
+    safe = jnp.maximum(n, 1)
+    atom = jnp.where(n > 0, off // safe, 0)
+    split = jnp.where(n > 0, off % safe, 0)
+    slots = jnp.stack([row + atom, split], axis=1)
+    return jnp.concatenate([slots, jnp.array([[b, 0]], jnp.int32)]).astype(jnp.int32)
+
+
+def varlen_atoms(indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Varlen form: rows pair up when consecutive rows share a request id. Returns
+    (atom start flags [M] bool, paired flags [M] bool) computed the way DeepGEMM walks them:
+    from each run of equal ids, rows (0, 1), (2, 3), ... pair and an odd last row is alone."""
+    m = indices.shape[0]
+    pos = jnp.arange(m, dtype=jnp.int32)
+    new_run = jnp.concatenate([jnp.ones((1,), bool), indices[1:] != indices[:-1]])
+    run_start = jax.lax.cummax(jnp.where(new_run, pos, 0))
+    start = (pos - run_start) % 2 == 0
+    nxt = jnp.concatenate([indices[1:], indices[-1:]])
+    paired = start & (pos + 1 < m) & (nxt == indices)
+    return start, paired
+
+
+def paged_mqa_logits_varlen_metadata(context_lens: jax.Array, indices: jax.Array, *, num_sms: int,
+                                     split_kv: int = SPLIT_KV) -> jax.Array:
+    """int32 [num_sms + 1, 2] for the varlen form (DeepGEMM's kIsVarlen branch): work items are
+    atoms (a row, or two consecutive rows of one request scored up to the second row's
+    length); each entry is (first row of the SM's first atom, first split)."""
+    ctx = jnp.maximum(context_lens.reshape(-1).astype(jnp.int32), 0)
+    m = ctx.shape[0]
+    start, paired = varlen_atoms(indices.reshape(-1))
+    atom_len = jnp.where(paired, jnp.concatenate([ctx[1:], ctx[-1:]]), ctx)
+    num_atoms = start.sum(dtype=jnp.int32)
+    # Atoms in order: the rows where one starts, padded with rows of length 0.
+    order = jnp.argsort(~start, stable=True).astype(jnp.int32)
+    atom_row = jnp.where(jnp.arange(m) < num_atoms, order, m)
+    atom_ctx = jnp.where(jnp.arange(m) < num_atoms, atom_len[jnp.minimum(order, m - 1)], 0)
+    prefix = jnp.cumsum((atom_ctx + split_kv - 1) // split_kv)
+    total = prefix[-1]
+    q, r = total // num_sms, total % num_sms
+    sm = jnp.arange(num_sms + 1, dtype=jnp.int32)
+    seg = sm * q + jnp.maximum(sm - (num_sms - r), 0)
+    atom = jnp.minimum(_upper_bound(prefix, seg), num_atoms)
+    split = seg - jnp.where(atom > 0, prefix[jnp.maximum(atom - 1, 0)], 0)
+    row = jnp.where(atom < num_atoms, atom_row[jnp.minimum(atom, m - 1)], m)
+    return jnp.stack([row, split], axis=1).astype(jnp.int32)
+
+
+def _dequant_q(q: jax.Array, q_sf: jax.Array | None) -> jax.Array:
+    return q.astype(jnp.float32) if q_sf is None else mx_dequant(q, q_sf)
+
+
+def _dequant_k(values: jax.Array, scales: jax.Array, mx: bool) -> jax.Array:
+    return mx_dequant(values, scales) if mx else values.astype(jnp.float32) * scales[..., None]
+
+
+def _chunk(rows: int, bytes_per_row: int) -> int:
+    return max(1, min(rows, _CHUNK_BYTES // max(bytes_per_row, 1)))
+
+
+# --- dense paged logits -----------------------------------------------------------------------
+
+def paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables, *,
+                     max_model_len: int) -> jax.Array:
+    """float32 [B * next_n, max_model_len] for q [B, next_n, H, D] (float8, with optional
+    packed UE8M0 scales [B, next_n, H], which also switch the cache's scales to UE8M0),
+    kv_cache uint8 [num_blocks, block, 1, D + 4], weights [B * next_n, H],
+    context_lens int32 [B, next_n] (row b*next_n + j valid for t < context_lens[b, j]),
+    block_tables int32 [B, max_blocks]. The varlen form is the case next_n = 1."""
+    b, next_n, h, _ = q.shape
+    mx = q_sf is not None
+    values, scales = unpack_kv_cache(kv_cache, mx_scales=mx, value_dtype=q.dtype)
+    blk = values.shape[1]
+    width = block_tables.shape[1]
+    t = width * blk
+    qf = _dequant_q(q, q_sf)
+    d = qf.shape[-1]
+    w = weights.astype(jnp.float32).reshape(b, next_n, h)
+    ctx = context_lens.reshape(b, next_n)
+    pos = jnp.arange(t, dtype=jnp.int32)
+
+    def one(args):
+        qb, wb, cb, tb = args
+        k = _dequant_k(values[tb], scales[tb], mx).reshape(t, d)
+        logits = weighted_relu_logits(qb, k, wb)                        # [next_n, T]
+        return jnp.where(pos[None, :] < cb[:, None], logits, NEG_INF)
+
+    per_row = 4 * t * (next_n * h + 2 * d)
+    out = jax.lax.map(one, (qf, w, ctx, block_tables), batch_size=_chunk(b, per_row))
+    out = out.reshape(b * next_n, t)
+    if t >= max_model_len:
+        return out[:, :max_model_len]
+    return jnp.pad(out, ((0, 0), (0, max_model_len - t)), constant_values=NEG_INF)
+
+
+# --- sparse paged logits (SM100 kernels) ------------------------------------------------------
+#
+# The metadata buffer jax_dg hands around (as for the non-paged sparse op, jax_dg.ops.mqa):
+# int32 [context_lens (M) | sparse_kv_block_indices (M * nmsb)] padded to 256 bytes, then the
+# backend's own part: DeepGEMM's opaque schedule on SM100, or the references' table
+# int32 [M, nmsb, 2] = (cache slot of the candidate block's first token, its valid tokens).
+# The first part lets every backend clean the output (-inf where a column scores no token).
+
+def sparse_header_bytes(m: int, nmsb: int) -> int:
+    return align(4 * m * (1 + nmsb), META_ALIGN)
+
+
+def deep_gemm_paged_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str,
+                                          num_sms: int) -> int:
+    """Size of DeepGEMM's paged sparse schedule (upstream layout/sparse_mqa_logits.cuh)."""
+    per_split = SPARSE_SPLIT_KV[qk_dtype] // sbk
+    s_max = m * cdiv(nmsb, per_split)
+    return 16 + s_max * (16 + per_split * 8) + align(s_max, num_sms) * 16
+
+
+def paged_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
+    backend = max(deep_gemm_paged_sparse_metadata_bytes(m, nmsb, sbk, qk_dtype, num_sms), 8 * m * nmsb)
+    return sparse_header_bytes(m, nmsb) + backend
+
+
+def sparse_header(metadata: jax.Array, m: int, nmsb: int) -> tuple[jax.Array, jax.Array]:
+    """(context_lens [M], sparse_kv_block_indices [M, nmsb]) back from the metadata's first part."""
+    head = jax.lax.bitcast_convert_type(metadata[:4 * m * (1 + nmsb)].reshape(-1, 4), jnp.int32)
+    return head[:m], head[m:].reshape(m, nmsb)
+
+
+def paged_sparse_valid(context_lens, sparse_kv_block_indices, sparse_block_kv: int):
+    """(logical token [M, nmsb*sbk], valid [M, nmsb*sbk]) of each output column: token
+    indices[m, j]*sbk + o, valid for j < min(ceil(len / sbk), nmsb) and 0 <= token < len."""
+    ctx = jnp.maximum(context_lens.reshape(-1).astype(jnp.int32), 0)
+    return sparse_columns(jnp.zeros_like(ctx), ctx, sparse_kv_block_indices, sparse_block_kv)
+
+
+def paged_sparse_table(context_lens, block_table, sparse_kv_block_indices, *, page_kv: int,
+                       sparse_block_kv: int) -> jax.Array:
+    """The references' schedule: int32 [M, nmsb, 2] = (slot of the block's first token, valid tokens)."""
+    m, nmsb = sparse_kv_block_indices.shape
+    sbk = sparse_block_kv
+    _, valid = paged_sparse_valid(context_lens, sparse_kv_block_indices, sbk)
+    start = sparse_kv_block_indices.astype(jnp.int32) * sbk
+    page_idx = jnp.clip(start // page_kv, 0, block_table.shape[1] - 1)
+    page = jnp.take_along_axis(block_table, page_idx, axis=1)
+    count = valid.reshape(m, nmsb, sbk).sum(-1, dtype=jnp.int32)
+    return jnp.stack([page * page_kv + start % page_kv, count], -1).astype(jnp.int32)
+
+
+def paged_sparse_mqa_logits_metadata(context_lens, block_table, sparse_kv_block_indices, *,
+                                     page_kv: int, sparse_block_kv: int, size: int) -> jax.Array:
+    """uint8 [size]: the header, then the references' table, then zeros."""
+    m, nmsb = sparse_kv_block_indices.shape
+    head = jnp.concatenate([context_lens.reshape(-1).astype(jnp.int32),
+                            sparse_kv_block_indices.reshape(-1).astype(jnp.int32)])
+    table = paged_sparse_table(context_lens, block_table, sparse_kv_block_indices, page_kv=page_kv,
+                               sparse_block_kv=sparse_block_kv)
+    parts = [jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in (head, table)]
+    header = sparse_header_bytes(m, nmsb)
+    return jnp.concatenate([parts[0], jnp.zeros((header - parts[0].shape[0],), jnp.uint8), parts[1],
+                            jnp.zeros((size - header - parts[1].shape[0],), jnp.uint8)])
+
+
+def paged_sparse_mqa_logits(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks: int,
+                            sparse_block_kv: int) -> jax.Array:
+    """bfloat16 [M, nmsb * sbk]: column j*sbk + o scores the o-th token of row m's j-th candidate
+    block (read through the metadata's table); columns that score no token are -inf.
+    q: MXFP8 float8_e4m3fn [M, 1, H, 128] or packed MXFP4 int8 [M, 1, H, 64], q_sf int32 [M, 1, H]."""
+    m, _, h, dq = q.shape
+    nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
+    header = sparse_header_bytes(m, nmsb)
+    table = jax.lax.bitcast_convert_type(
+        metadata[header:header + m * nmsb * 8].reshape(m, nmsb, 2, 4), jnp.int32)
+    slot, count = table[..., 0], table[..., 1]
+    values, scales = unpack_kv_cache(kv_cache, mx_scales=True, value_dtype=q.dtype)
+    flat_v = values.reshape(-1, dq)
+    flat_s = scales.reshape(-1)
+    o = jnp.arange(sbk, dtype=jnp.int32)
+    qf = _dequant_q(q[:, 0], q_sf[:, 0])
+    w = weights.astype(jnp.float32)
+
+    def one(args):
+        qr, wr, sr, cr = args
+        tok = jnp.clip(sr[:, None] + o, 0, flat_v.shape[0] - 1).reshape(-1)
+        logits = weighted_relu_logits(qr[None], _dequant_k(flat_v[tok], flat_s[tok], True), wr[None])[0]
+        return jnp.where((o[None, :] < cr[:, None]).reshape(-1), logits, NEG_INF)
+
+    d = qf.shape[-1]
+    out = jax.lax.map(one, (qf, w, slot, count), batch_size=_chunk(m, 4 * nmsb * sbk * (h + 2 * d)))
+    return out.astype(jnp.bfloat16)
