@@ -15,8 +15,10 @@ from tests.conftest import bits, digest, to_torch
 
 
 def run(backend, fn, *args):
+    # A fresh function per call: jit caches traces per function, and the backend is chosen
+    # while tracing, so re-jitting the same function would reuse the other backend's trace.
     with jax_dg.use_backend(backend):
-        return jax.jit(fn)(*args)
+        return jax.jit(lambda *a: fn(*a))(*args)
 
 
 def exact(expr, a, b):
@@ -28,13 +30,19 @@ def operands(keys, expr, sizes):
     return tuple(jax.random.normal(keys(), tuple(sizes[c] for c in d), jnp.bfloat16) for d in dims[:2])
 
 
+@jax.jit
+def fp8_cast(x, y):
+    b, h, r = x.shape
+    qx, sx = jax_dg.per_token_cast_to_fp8(x.reshape(-1, r), use_ue8m0=True)
+    qy, sy = jax.vmap(lambda t: jax_dg.per_block_cast_to_fp8(t, use_ue8m0=True))(y)
+    return (qx.reshape(b, h, r), sx.reshape(b, h, -1)), (qy, sy)
+
+
 def fp8_operands(keys, b, h, r, d):
     """DeepGEMM's test_einsum FP8 data: x per token over [b*h, r], y per block per head, UE8M0."""
     x = jax.random.normal(keys(), (b, h, r), jnp.bfloat16)
     y = jax.random.normal(keys(), (h, d, r), jnp.bfloat16)
-    qx, sx = jax_dg.per_token_cast_to_fp8(x.reshape(-1, r), use_ue8m0=True)
-    qy, sy = jax.vmap(lambda t: jax_dg.per_block_cast_to_fp8(t, use_ue8m0=True))(y)
-    return x, y, (qx.reshape(b, h, r), sx.reshape(b, h, -1)), (qy, sy)
+    return (x, y, *fp8_cast(x, y))
 
 
 BMK = "bmk,bnk->mn"

@@ -8,6 +8,7 @@ defined rows, padding rows as jax_dg defines them (0).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -23,10 +24,13 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def run(backend, fn, *args):
+    # A fresh function per call: jit caches traces per function, and the backend is chosen
+    # while tracing, so re-jitting the same function would reuse the other backend's trace.
     with jax_dg.use_backend(backend):
-        return jax.jit(fn)(*args)
+        return jax.jit(lambda *a: fn(*a))(*args)
 
 
+@jax.jit
 def cast_a(x):
     """Per-token FP8 of [..., K] (2-D or 3-D)."""
     if x.ndim == 2:
@@ -183,19 +187,22 @@ def test_masked_old_name_and_vmap(keys):
 
 # --- CPU: k-grouped --------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnums=1)
+def k_grouped_pack(v, ks):
+    """[sum(ks), MN] -> per-channel FP8 (128 along K), each group row-major [MN, K_g], flattened."""
+    q, s = jax_dg.per_token_cast_to_fp8(v.T)
+    q, off, flat = q.T, 0, []
+    for kg in ks:
+        flat.append(q[off:off + kg].T.reshape(-1))
+        off += kg
+    return jnp.concatenate(flat), s.T
+
+
 def k_grouped_inputs(keys, ks, m, n):
     """DeepGEMM's generate_k_grouped_contiguous, K-major: returns (a, b, x, y) with x [sum(ks), M]."""
     x = jax.random.normal(keys(), (sum(ks), m), jnp.bfloat16)
     y = jax.random.normal(keys(), (sum(ks), n), jnp.bfloat16)
-
-    def pack(v):  # per-channel cast (128 along K), then each group row-major [MN, K_g], flattened
-        q, s = jax_dg.per_token_cast_to_fp8(v.T)
-        q, off, flat = q.T, 0, []
-        for kg in ks:
-            flat.append(q[off:off + kg].T.reshape(-1))
-            off += kg
-        return jnp.concatenate(flat) if flat else q.reshape(-1), s.T
-    return pack(x), pack(y), x, y
+    return k_grouped_pack(x, tuple(ks)), k_grouped_pack(y, tuple(ks)), x, y
 
 
 def k_grouped_expected(x, y, c, ks):
