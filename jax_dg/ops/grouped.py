@@ -5,6 +5,8 @@ Outputs are fully defined: with `clean=True` (default) rows DeepGEMM leaves unsp
 rows of the contiguous layout, rows past masked_m) are set to 0 by a masked select in the jitted
 program, which XLA fuses into whatever consumes the result where it can. `clean=False` skips it
 (and the input sanitising below) and returns DeepGEMM's output as is.
+
+Under jax.vmap the ops run once per batch element (the Op default, vmap_method="sequential").
 """
 
 from __future__ import annotations
