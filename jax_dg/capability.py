@@ -92,14 +92,20 @@ def has_deep_gemm() -> bool:
         return False
 
 
+def _deep_gemm_importable() -> bool:
+    from jax_dg.backends import deep_gemm
+    return deep_gemm.module() is not None
+
+
 def is_deep_gemm_supported(device: Any = None) -> bool:
     """True when DeepGEMM may run on `device`: a CUDA device of the SM90 or SM100 family,
-    an installed deep_gemm, and JAX_DG_USE_DEEP_GEMM not 0."""
+    JAX_DG_USE_DEEP_GEMM not 0, and a deep_gemm that imports (an installed build made for
+    another torch does not count; has_deep_gemm() only says one is installed)."""
     if not _env_flag(ENV_USE_DEEP_GEMM):
         return False
     if not any(is_device_capability_family(f, device) for f in SUPPORTED_FAMILIES):
         return False
-    return has_deep_gemm()
+    return _deep_gemm_importable()
 
 
 def _has_fp8_gemm_nt() -> bool:

@@ -21,7 +21,7 @@ H200, B200, B300, RTX, A100 = gpu("9.0", 0), gpu("10.0", 1), gpu("10.3", 2), gpu
 @pytest.fixture
 def env(monkeypatch):
     """deep_gemm 'installed' with an fp8_gemm_nt, default switches, a fresh oracle cache."""
-    monkeypatch.setattr(capability, "has_deep_gemm", lambda: True)
+    monkeypatch.setattr(capability, "_deep_gemm_importable", lambda: True)
     monkeypatch.setattr(capability, "_has_fp8_gemm_nt", lambda: True)
     monkeypatch.delenv(capability.ENV_USE_DEEP_GEMM, raising=False)
     monkeypatch.delenv(capability.ENV_USE_DEEP_GEMM_E8M0, raising=False)
@@ -46,7 +46,7 @@ def test_supported_per_device(env):
     env.setenv(capability.ENV_USE_DEEP_GEMM, "0")
     assert not jax_dg.is_deep_gemm_supported(H200)
     env.setenv(capability.ENV_USE_DEEP_GEMM, "1")
-    env.setattr(capability, "has_deep_gemm", lambda: False)
+    env.setattr(capability, "_deep_gemm_importable", lambda: False)
     assert not jax_dg.is_deep_gemm_supported(H200)
 
 

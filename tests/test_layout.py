@@ -327,7 +327,8 @@ def test_gpu_transform_sf_matches_deep_gemm(mn, recipe, is_sfa):
     from jax_dg.capability import arch_family
     k = 7168
     gran_mn = recipe[0] if is_sfa else recipe[1]
-    sf = jnp.asarray(np.random.default_rng(1).random((cdiv(mn, gran_mn), k // 128), np.float32) + 0.5)
+    # powers of two: SM100 packs them into UE8M0 bytes
+    sf = jnp.asarray(pow2_scales(np.random.default_rng(1), (cdiv(mn, gran_mn), k // 128)))
     ours = jax_dg.transform_sf_into_required_layout(sf, mn, k, recipe, None, is_sfa)
     theirs = deep_gemm.transform_sf_into_required_layout(to_torch(sf), mn, k, recipe, None, is_sfa)
     torch.cuda.synchronize()
