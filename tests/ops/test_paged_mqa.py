@@ -112,8 +112,9 @@ def make_case(ctx, next_n, h, d, blk, *, two_d, extra_blocks=3, seed=0):
 
 
 def run(backend, fn, *args):
+    """fn under jit with `backend`, traced afresh (jit would reuse a trace made for another)."""
     with jax_dg.use_backend(backend):
-        return np.asarray(jax.jit(fn)(*args))
+        return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
 
 
 def assert_logits_close(got, want, lens2d):
@@ -656,8 +657,8 @@ def test_gpu_block_32_one_d_lengths_and_next_n_4():
             lens = lens[:, -1]
         f = lambda *a: jax_dg.paged_mqa_logits(*a, max_model_len=3072)  # noqa: E731
         out = jax.jit(f)(q, cache, w, lens, table)
-        with jax_dg.use_backend("xla"):
-            ref = jax.jit(f)(q, cache, w, lens, table)
+        with jax_dg.use_backend("xla"):     # a fresh function: jit would reuse f's trace
+            ref = jax.jit(lambda *a: f(*a))(q, cache, w, lens, table)
         valid = jnp.asarray(np.arange(3072)[None, :] < np.minimum(lens_2d(lens, next_n), 3072).reshape(-1, 1))
         assert bool(jnp.array_equal(jnp.isneginf(out), ~valid))
         assert jax_dg.calc_diff(jnp.where(valid, out, 0), jnp.where(valid, ref, 0)) < 5e-6
