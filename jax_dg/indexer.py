@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.quant import FP8, FP8_MAX, ceil_to_ue8m0
+from jax_dg.quant import cast_with_scale, scale_for
 
 
 def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -28,13 +28,8 @@ def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.A
     xf = x.astype(jnp.float32)
     axes = tuple(range(1, x.ndim))
     amax = jnp.abs(xf).max(axis=axes, keepdims=True) if axes else jnp.abs(xf)
-    # An opaque full-size divisor: XLA turns `x / broadcast(c)` into `x * broadcast(1/c)`,
-    # which is not the same float32 (DeepGEMM's torch code divides).
-    sf = jnp.maximum(amax, 1e-4) / jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32))
-    if use_ue8m0:
-        sf = ceil_to_ue8m0(sf)
-    values = (xf * (1.0 / sf)).astype(FP8)
-    return values, sf.reshape(x.shape[0])
+    sf = scale_for(amax, use_ue8m0)
+    return cast_with_scale(xf, sf), sf.reshape(x.shape[0])
 
 
 def fold_q_scale(weights: jax.Array, q_scale: jax.Array) -> jax.Array:

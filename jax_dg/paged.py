@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dg.core.checks import ArgumentError, Checker
-from jax_dg.quant import FP8_MAX
+from jax_dg.quant import FP8, cast_with_scale, scale_for
 
-FP8 = jnp.float8_e4m3fn
 SCALE_BYTES = 4
 
 __all__ = [
@@ -80,17 +79,10 @@ def unpack_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False,
 
 def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., D] -> (float8 [..., D], float32 scales [...]): one scale per row (token),
-    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (torch, IEEE division).
-
-    XLA's algebraic simplifier turns `amax / 448` into `amax * (1/448)` and
-    `1 / (amax / 448)` into `448 / amax`; both round differently. The optimisation barriers
-    keep the two divisions as written."""
-    barrier = jax.lax.optimization_barrier
+    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (see jax_dg.quant.scale_for)."""
     x = k.astype(jnp.float32)
-    amax = jnp.maximum(jnp.abs(x).max(axis=-1, keepdims=True), 1e-4)
-    sf = barrier(amax / barrier(jnp.full_like(amax, FP8_MAX)))
-    inv = barrier(1.0 / sf)
-    return (x * inv).astype(FP8), sf[..., 0]
+    sf = scale_for(jnp.abs(x).max(axis=-1, keepdims=True))
+    return cast_with_scale(x, sf), sf[..., 0]
 
 
 @jax.jit

@@ -32,9 +32,19 @@ def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(exps, jnp.int32)
 
 
-def _scale(amax: jax.Array, use_ue8m0: bool) -> jax.Array:
-    sf = jnp.maximum(amax, 1e-4) / FP8_MAX
+def scale_for(amax: jax.Array, use_ue8m0: bool = False) -> jax.Array:
+    """DeepGEMM's scale factor max(amax, 1e-4) / 448 (rounded up to a power of two with UE8M0)."""
+    # Optimisation barriers keep the divisions IEEE divisions, as in torch: XLA's simplifier
+    # turns `a / 448` into `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off
+    # in some scales and then in some FP8 values.
+    sf = jax.lax.optimization_barrier(
+        jnp.maximum(amax, 1e-4) / jax.lax.optimization_barrier(jnp.full_like(amax, FP8_MAX)))
     return ceil_to_ue8m0(sf) if use_ue8m0 else sf
+
+
+def cast_with_scale(x: jax.Array, sf: jax.Array) -> jax.Array:
+    """x * (1 / sf) cast to float8_e4m3fn (sf broadcast against x), as DeepGEMM computes it."""
+    return (x.astype(jnp.float32) * jax.lax.optimization_barrier(1.0 / sf)).astype(FP8)
 
 
 def per_token_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int = 128):
@@ -44,8 +54,8 @@ def per_token_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int 
     m, n = x.shape
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, align(n, gran_k) - n)))
     xv = xp.reshape(m, -1, gran_k)
-    sf = _scale(jnp.abs(xv).max(axis=2), use_ue8m0)
-    values = (xv * (1.0 / sf)[:, :, None]).astype(FP8).reshape(m, -1)[:, :n]
+    sf = scale_for(jnp.abs(xv).max(axis=2), use_ue8m0)
+    values = cast_with_scale(xv, sf[:, :, None]).reshape(m, -1)[:, :n]
     return values, sf
 
 
@@ -56,8 +66,8 @@ def per_block_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int 
     m, n = x.shape
     xp = jnp.pad(x.astype(jnp.float32), ((0, align(m, gran_k) - m), (0, align(n, gran_k) - n)))
     xv = xp.reshape(xp.shape[0] // gran_k, gran_k, xp.shape[1] // gran_k, gran_k)
-    sf = _scale(jnp.abs(xv).max(axis=(1, 3), keepdims=True), use_ue8m0)
-    values = (xv * (1.0 / sf)).astype(FP8).reshape(xp.shape)[:m, :n]
+    sf = scale_for(jnp.abs(xv).max(axis=(1, 3), keepdims=True), use_ue8m0)
+    values = cast_with_scale(xv, sf).reshape(xp.shape)[:m, :n]
     return values, sf.reshape(xv.shape[0], xv.shape[2])
 
 

@@ -16,7 +16,12 @@ ENV = "JAX_DG_BACKEND"
 CHOICES = ("auto", "deep_gemm", "torch", "xla")
 
 
-_override: list[str] = []
+# A jit-cache-sensitive context: a function traced under one backend is traced again under
+# another instead of reusing the cached trace. (The environment variable is read at trace time
+# only; change it before tracing.)
+import jax  # noqa: E402
+
+_context = jax.make_user_context(default_value=None)
 
 
 def _check(value: str) -> str:
@@ -28,21 +33,19 @@ def _check(value: str) -> str:
 
 def requested() -> str:
     """The backend asked for now: the innermost `use_backend`, else $JAX_DG_BACKEND."""
-    return _override[-1] if _override else _check(os.environ.get(ENV, "auto"))
+    value = _context.value
+    return value if value is not None else _check(os.environ.get(ENV, "auto"))
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Selects the backend for functions traced inside the block.
+    """Selects the backend for functions traced (or called through jit) inside the block.
 
-    A jitted function keeps the backend it was traced with: jit a fresh function (or clear
-    its cache) to switch.
+    The choice is part of jit's cache key, so a function jitted once runs with the backend of
+    the block it is called in.
     """
-    _override.append(_check(name))
-    try:
+    with _context(_check(name)):
         yield
-    finally:
-        _override.pop()
 
 
 def resolve(backend: str, platform: str) -> str:
