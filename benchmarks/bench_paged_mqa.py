@@ -57,16 +57,16 @@ def plain_jnp(q, kv_cache, w, lens, table, max_len):
     chunk = max(1, min(b, (1 << 29) // (next_n * h * t * 4)))
 
     def one(args):
-        qc, wc, lc, tc = args                                       # one chunk of requests
-        rows = flat[tc]                                             # [c, W, blk*(D+4)] uint8
-        c = rows.shape[0]
-        k = jax.lax.bitcast_convert_type(rows[..., :blk * d].reshape(c, t, d), jnp.float8_e4m3fn)
-        sf = jax.lax.bitcast_convert_type(rows[..., blk * d:].reshape(c, t, 4), jnp.float32)
-        s = jnp.einsum("cnhd,ctd->cnht", qc.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+        # One request (lax.map's batch_size vmaps this over `chunk` requests at a time).
+        qb, wb, lb, tb = args                                       # [n,H,D] [n,H] [n] [W]
+        rows = flat[tb]                                             # [W, blk*(D+4)] uint8
+        k = jax.lax.bitcast_convert_type(rows[:, :blk * d].reshape(t, d), jnp.float8_e4m3fn)
+        sf = jax.lax.bitcast_convert_type(rows[:, blk * d:].reshape(t, 4), jnp.float32)
+        s = jnp.einsum("nhd,td->nht", qb.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
                        preferred_element_type=jnp.float32)
-        logits = (jnp.maximum(s, 0) * wc[..., None]).sum(2) * sf[:, None, :]
+        logits = (jnp.maximum(s, 0) * wb[..., None]).sum(1) * sf[None, :]
         pos = jnp.arange(t, dtype=jnp.int32)
-        return jnp.where(pos[None, None, :] < lc[..., None], logits, -jnp.inf)
+        return jnp.where(pos[None, :] < lb[:, None], logits, -jnp.inf)
 
     out = jax.lax.map(one, (q, w.reshape(b, next_n, h), lens, table), batch_size=chunk)
     return out.reshape(b * next_n, t)[:, :max_len]

@@ -17,7 +17,8 @@ def routing(seed, t, k, g, *, drop=0.1, skew=True):
     """Top-k ids without repeats per token; uneven experts (some empty), some ids -1."""
     rng = np.random.default_rng(seed)
     p = rng.dirichlet(np.full(g, 0.3)) if skew else np.full(g, 1 / g)
-    p[rng.integers(0, g)] = 0  # an expert nobody picks
+    if k < g:  # an expert nobody picks (k distinct picks need k experts with p > 0)
+        p[rng.integers(0, g)] = 0
     p /= p.sum()
     ids = np.stack([rng.choice(g, k, replace=False, p=p) for _ in range(t)]).astype(np.int32)
     ids[rng.random((t, k)) < drop] = -1
