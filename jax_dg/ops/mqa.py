@@ -14,8 +14,10 @@ import jax.numpy as jnp
 
 from jax_dg.core.checks import Checker, align, cdiv
 from jax_dg.core.op import Op
+from jax_dg.core.target import target
 from jax_dg.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
+from jax_dg.reference.paged_mqa import SPARSE_SPLIT_KV
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -166,7 +168,6 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k,
 # fully defined output: invalid columns are set to -inf from it.
 
 SPARSE_BLOCKS = (8, 16)
-SPLIT_KV = {"float8_e4m3fn": 512, "int8": 640}  # DeepGEMM's split per Q/K format (FP8, packed FP4)
 META_ALIGN = 256
 
 
@@ -176,7 +177,7 @@ def _sparse_header_bytes(m: int, nmsb: int) -> int:
 
 def deep_gemm_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
     """Size of DeepGEMM's contiguous sparse metadata (upstream layout/sparse_mqa_logits.cuh)."""
-    per_split = SPLIT_KV[qk_dtype] // sbk
+    per_split = SPARSE_SPLIT_KV[qk_dtype] // sbk
     s_max = cdiv(m, 2) * cdiv(2 * nmsb, per_split)
     return 16 + s_max * (16 + per_split * 8) + align(s_max, num_sms) * 16
 
@@ -186,24 +187,19 @@ def sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: i
     return _sparse_header_bytes(m, nmsb) + backend
 
 
-def _default_num_sms() -> int:
-    dev = jax.devices()[0]
-    count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
-    return int(count) if count else 148  # B200's SM count: the size only matters on SM100
-
-
 def _check_sparse_block_kv(ck: Checker, sbk) -> int:
     sbk = ck.static_int(sbk, "sparse_block_kv")
     ck.that(sbk in SPARSE_BLOCKS, "sparse_block_kv", f"must be one of {SPARSE_BLOCKS}", sbk)
     return sbk
 
 
-def _qk_dtype_name(ck: Checker, qk_dtype) -> str:
+def qk_dtype_name(ck: Checker, qk_dtype) -> str:
+    """The packed Q/K format of the sparse kernels: float8_e4m3fn (MXFP8) or int8 (MXFP4)."""
     try:
         name = jnp.dtype(qk_dtype).name
     except TypeError:
         name = str(qk_dtype).replace("torch.", "")
-    ck.that(name in SPLIT_KV, "qk_dtype", "must be float8_e4m3fn (MXFP8) or int8 (packed MXFP4)", name)
+    ck.that(name in SPARSE_SPLIT_KV, "qk_dtype", "must be float8_e4m3fn (MXFP8) or int8 (packed MXFP4)", name)
     return name
 
 
@@ -291,9 +287,9 @@ def get_sparse_mqa_logits_metadata(cu_seqlen_ks, cu_seqlen_ke, num_kv_tokens: in
         ck.array(x, name)
     static = dict(
         num_kv_tokens=ck.static_int(num_kv_tokens, "num_kv_tokens", minimum=0),
-        qk_dtype=_qk_dtype_name(ck, qk_dtype),
+        qk_dtype=qk_dtype_name(ck, qk_dtype),
         sparse_block_kv=_check_sparse_block_kv(ck, sparse_block_kv),
-        num_sms=ck.static_int(_default_num_sms() if num_sms is None else num_sms, "num_sms", minimum=1),
+        num_sms=ck.static_int(target().num_sms if num_sms is None else num_sms, "num_sms", minimum=1),
     )
     (meta,) = GET_SPARSE_MQA_LOGITS_METADATA(cu_seqlen_ks, cu_seqlen_ke, sparse_kv_block_indices, **static)
     return meta

@@ -26,14 +26,13 @@ JAX arrays are always contiguous: torch's concern about block tables whose last 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from jax_dg import backends
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op
+from jax_dg.core.target import Target, target
+from jax_dg.ops.mqa import qk_dtype_name
 from jax_dg.reference import paged_mqa as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -42,45 +41,6 @@ I32 = jnp.int32
 UNIT_UE8M0_X4 = 0x7F7F7F7F          # four UE8M0 exponents of 2**0
 SPARSE_KERNELS = ("fp8_fp4_sparse_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits",
                   "get_sparse_mqa_logits_metadata", "get_paged_sparse_mqa_logits_metadata")
-
-
-# --- the target device ------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """What a function traced now will run on: the concrete backend, the GPU architecture whose
-    DeepGEMM contract applies, and the SM count its kernels schedule for."""
-    backend: str     # "deep_gemm", "torch" or "xla"
-    platform: str    # "cuda" or "cpu"
-    arch: str        # "sm90", "sm100", ...; the references emulate "sm90"
-    num_sms: int
-
-
-def target() -> Target:
-    """The target of functions traced now: jax's default platform and the requested backend.
-
-    DeepGEMM on CUDA: its architecture and `deep_gemm.get_num_sms()` (which the logits kernel
-    checks the schedule against; `deep_gemm.set_num_sms` changes both). The references
-    (CPU, or JAX_DG_BACKEND=torch/xla) emulate the SM90 contract with the CUDA device's SM count,
-    or 132 (H100/H200) without one; `jax_dg.backends.torch_ref.set_num_sms` overrides it.
-    """
-    platform = jax.default_backend()
-    platform = "cuda" if platform in ("gpu", "cuda") else platform
-    requested = backends.requested()
-    if requested == "xla":
-        backend = "xla"
-    else:
-        try:
-            backend = backends.resolve(requested, platform)
-        except RuntimeError:          # deep_gemm asked for on CPU: the call reports it
-            backend = "deep_gemm"
-    if backend == "deep_gemm" and platform == "cuda":
-        from jax_dg.backends import deep_gemm as dg
-        mod = dg.module()
-        if mod is not None:
-            return Target(backend, platform, dg.arch_family(), int(mod.get_num_sms()))
-    from jax_dg.backends.torch_ref import paged_mqa as tr
-    return Target(backend, platform, tr.EMULATED_ARCH, tr.get_num_sms())
 
 
 def native_next_n_supported(next_n: int) -> bool:
@@ -522,16 +482,6 @@ def _check_sparse_sizes(ck: Checker, num_max_sparse_blocks, sparse_block_kv) -> 
     return nmsb, sbk
 
 
-def _qk_name(ck: Checker, qk_dtype) -> str:
-    try:
-        name = jnp.dtype(qk_dtype).name
-    except TypeError:
-        name = str(qk_dtype).replace("torch.", "")
-    ck.that(name in ref.SPARSE_SPLIT_KV, "qk_dtype",
-            "must be float8_e4m3fn (MXFP8) or int8 (packed MXFP4)", name)
-    return name
-
-
 def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv: int,
                                          sparse_kv_block_indices, qk_dtype, sparse_block_kv: int
                                          ) -> jax.Array:
@@ -569,7 +519,7 @@ def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, pag
     ck.tensor(indices, "indices", [I32], (m,), "[M] (request id per query row)")
     page_kv = ck.static_int(page_kv, "page_kv", 1)
     ck.that(page_kv % sbk == 0, "page_kv", f"must be a multiple of sparse_block_kv = {sbk}", page_kv)
-    qk = _qk_name(ck, qk_dtype)
+    qk = qk_dtype_name(ck, qk_dtype)
     size = ref.paged_sparse_metadata_bytes(m, nmsb, sbk, qk, t.num_sms)
     (meta,) = GET_PAGED_SPARSE_MQA_LOGITS_METADATA(
         context_lens.reshape(m), block_table, indices, sparse_kv_block_indices,
