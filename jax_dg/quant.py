@@ -82,7 +82,7 @@ def calc_diff(x, y):
         x, y = jnp.asarray(x).astype(dt), jnp.asarray(y).astype(dt)
         den = (x * x + y * y).sum()
         return jnp.where(den == 0, 0.0, 1.0 - 2.0 * (x * y).sum() / jnp.where(den == 0, 1, den))
-    x = np.asarray(x).astype(np.float64)
-    y = np.asarray(y).astype(np.float64)
-    den = float((x * x + y * y).sum())
-    return 0.0 if den == 0 else 1.0 - 2.0 * float((x * y).sum()) / den
+    x = np.asarray(x).astype(np.float64).ravel()
+    y = np.asarray(y).astype(np.float64).ravel()
+    den = float(np.dot(x, x) + np.dot(y, y))  # dots: no temporaries the size of the inputs
+    return 0.0 if den == 0 else 1.0 - 2.0 * float(np.dot(x, y)) / den
