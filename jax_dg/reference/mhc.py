@@ -32,6 +32,12 @@ SF_GRAN_K = 32            # FP8 y: one UE8M0 scale per 32 hidden elements
 HIDDEN_PER_SF_WORD = 128  # four scales packed in one int32
 
 
+def _bf16_rounded(x: jax.Array) -> jax.Array:
+    """x rounded to bfloat16, kept float32. XLA may drop an f32 -> bf16 -> f32 round trip
+    (xla_allow_excess_precision); reduce_precision always rounds, as the kernel does."""
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
 def sinkhorn(v: jax.Array, iters: int, eps: float) -> jax.Array:
     v = jax.nn.softmax(v, axis=-1) + eps
     v = v / (v.sum(axis=-2, keepdims=True) + eps)
@@ -64,7 +70,7 @@ def mega_mhc(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
     new_residual = new_residual + jnp.einsum("tij,tih->tjh", comb_res_mix, residual.astype(f32),
                                              precision=HIGHEST)
     new_residual = new_residual.astype(jnp.bfloat16)
-    nr = new_residual.astype(f32)
+    nr = _bf16_rounded(new_residual.astype(f32))
     mixes = jnp.matmul(nr.reshape(t, hc_mult * h), fn.T, precision=HIGHEST)
     sqr_sum = jnp.square(nr).sum(axis=(1, 2))
     mixes = mixes * jax.lax.rsqrt(sqr_sum / (hc_mult * h) + hc_norm_eps)[:, None]
@@ -77,7 +83,7 @@ def mega_mhc(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
     new_comb = sinkhorn(mixes[:, 2 * hc_mult:].reshape(t, hc_mult, hc_mult), num_sinkhorn_iters,
                         sinkhorn_eps)
     prev = new_prev_mix if shifted_prev_mix is None else shifted_prev_mix
-    norm_input = (nr * prev).sum(axis=1).astype(jnp.bfloat16).astype(f32)
+    norm_input = _bf16_rounded((nr * prev).sum(axis=1))
     y = (norm_input * jax.lax.rsqrt(jnp.square(norm_input).mean(axis=1) + rmsnorm_eps)[:, None]
          * (rmsnorm_weight.astype(f32) * rmsnorm_scale)).astype(jnp.bfloat16)
     outs = [new_residual]
