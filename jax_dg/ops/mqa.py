@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax_dg.core.checks import Checker, align, cdiv
 from jax_dg.core.op import Op
 from jax_dg.core.target import target
+from jax_dg.ops.cleaning import columns, masked_copy, where_valid
 from jax_dg.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
 from jax_dg.reference.paged_mqa import SPARSE_SPLIT_KV
@@ -49,12 +50,6 @@ def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logit
     return [jax.ShapeDtypeStruct((m, max_seqlen_k or n), F32)]
 
 
-def _neg_inf(like):
-    """A 0-d -inf on `like`'s device, made there (no host-to-device copy)."""
-    import torch
-    return torch.full((), NEG_INF, dtype=like.dtype, device=like.device)
-
-
 def _mqa_logits_call(k, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits):
     # Keywords from the 6th argument on: an era-C binding takes max_seqlen_k 6th, era B takes
     # clean_logits there (a positional int would silently turn into clean_logits=True).
@@ -63,15 +58,13 @@ def _mqa_logits_call(k, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, cle
                                       clean_logits=clean_logits, max_seqlen_k=0)
         out.copy_(logits)
         return
-    import torch
     # DeepGEMM does not check max_seqlen_k >= ke - ks (a longer row is written into the next
     # one): clamp ke so a row keeps its first max_seqlen_k positions.
     lens = (ke - ks).clamp_(max=max_seqlen_k)
     logits = k.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ks + lens,
                                   clean_logits=False, max_seqlen_k=max_seqlen_k)
     if clean_logits:  # the tail t >= ke - ks is never written: -inf, fused with the copy
-        cols = torch.arange(max_seqlen_k, device=out.device, dtype=lens.dtype)
-        torch.where(cols[None, :] < lens[:, None], logits, _neg_inf(out), out=out)
+        masked_copy(out, logits, lens)
     else:
         out.copy_(logits)
 
@@ -346,9 +339,9 @@ def _sparse_call(k, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_spars
     o = torch.arange(sbk, device=out.device, dtype=torch.int32)
     token = (idx[:, :, None] * sbk + (ks % sbk)[:, None, None] + o).view(m, nmsb * sbk)
     nvb = ((ke - ks).clamp(min=0) + (sbk - 1)).div(sbk, rounding_mode="floor").clamp(max=nmsb)
-    col = torch.arange(nmsb * sbk, device=out.device, dtype=torch.int32)
-    valid = (col[None, :] < (nvb * sbk)[:, None]) & (token >= ks[:, None]) & (token < ke[:, None])
-    torch.where(valid, logits, _neg_inf(out), out=out)
+    valid = ((columns(out, nmsb * sbk) < (nvb * sbk)[:, None]) & (token >= ks[:, None])
+             & (token < ke[:, None]))
+    where_valid(out, valid, logits)
 
 
 def _sparse_reference(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op
 from jax_dg.core.target import Target, target
+from jax_dg.ops.cleaning import columns, masked_copy, where_valid
 from jax_dg.ops.mqa import qk_dtype_name
 from jax_dg.reference import paged_mqa as ref
 
@@ -190,24 +191,6 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
 
 
 # --- dense paged logits -----------------------------------------------------------------------
-
-_COLUMNS: dict = {}
-_NEG_INF: dict = {}
-
-
-def masked_copy(out, logits, lens) -> None:
-    """out[i, t] = logits[i, t] if t < lens[i] else -inf: one pass over the logits (torch)."""
-    import torch
-    key = (out.device, out.shape[1])
-    cols = _COLUMNS.get(key)
-    if cols is None:
-        cols = _COLUMNS[key] = torch.arange(out.shape[1], dtype=torch.int32, device=out.device)[None]
-    ninf = _NEG_INF.get((out.device, out.dtype))
-    if ninf is None:
-        ninf = _NEG_INF[(out.device, out.dtype)] = torch.full((), float("-inf"), dtype=out.dtype,
-                                                              device=out.device)
-    torch.where(cols < lens.reshape(-1, 1), logits, ninf, out=out)
-
 
 def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                  *indices, max_model_len, clean_logits):
@@ -443,10 +426,9 @@ def _sparse_logits_call(k, q, q_sf, kv_cache, weights, metadata, out, *, num_max
     o = torch.arange(sbk, device=out.device, dtype=torch.int32)
     token = (idx[:, :, None] * sbk + o).view(m, nmsb * sbk)
     nvb = (ctx + (sbk - 1)).div(sbk, rounding_mode="floor").clamp(max=nmsb)
-    col = torch.arange(nmsb * sbk, device=out.device, dtype=torch.int32)
-    valid = (col[None, :] < (nvb * sbk)[:, None]) & (token >= 0) & (token < ctx[:, None])
-    ninf = torch.full((), float("-inf"), dtype=out.dtype, device=out.device)
-    torch.where(valid, logits, ninf, out=out)
+    valid = ((columns(out, nmsb * sbk) < (nvb * sbk)[:, None]) & (token >= 0)
+             & (token < ctx[:, None]))
+    where_valid(out, valid, logits)
 
 
 def _sparse_logits_reference(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks,
