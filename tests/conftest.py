@@ -49,6 +49,13 @@ def keys():
     return next_key
 
 
+def run(backend: str, fn, *args):
+    """fn under jax.jit with `backend` (use_backend is part of jit's cache key, so the same fn
+    jitted under another backend is traced again)."""
+    with jax_dg.use_backend(backend):
+        return jax.jit(fn)(*args)
+
+
 def digest(*arrays) -> str:
     """Hash of the bytes of arrays (pytrees allowed), to prove inputs are never written."""
     h = hashlib.sha256()

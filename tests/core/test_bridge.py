@@ -151,3 +151,13 @@ def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="choose one of"):
         with jax_dg.use_backend("cuda-magic"):
             pass
+
+
+def test_one_jitted_function_follows_the_backend_block(keys):
+    # use_backend is part of jit's cache key: the same jitted function is traced again.
+    x = random_array(keys(), (4,), jnp.float32)
+    f = jax.jit(lambda x: ECHO[1](x, scale=2.0))
+    assert "jax_dg__test_echo1" in f.lower(x).as_text()
+    with jax_dg.use_backend("xla"):
+        assert "custom_call" not in f.lower(x).as_text()
+    assert "jax_dg__test_echo1" in f.lower(x).as_text()

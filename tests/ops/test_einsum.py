@@ -11,14 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from tests.conftest import bits, digest, to_torch
-
-
-def run(backend, fn, *args):
-    # A fresh function per call: jit caches traces per function, and the backend is chosen
-    # while tracing, so re-jitting the same function would reuse the other backend's trace.
-    with jax_dg.use_backend(backend):
-        return jax.jit(lambda *a: fn(*a))(*args)
+from tests.conftest import bits, digest, to_torch, run
 
 
 def exact(expr, a, b):

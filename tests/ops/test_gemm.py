@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from tests.conftest import bits, digest, to_torch
+from tests.conftest import bits, digest, to_torch, run
 
 # K not a multiple of 128 where the contract allows (K % 16 == 0): 208, 576.
 CPU_SHAPES = [(1, 256, 512), (64, 320, 384), (130, 2112, 1024), (128, 576, 7168), (7, 200, 208), (3, 64, 576)]
@@ -24,11 +24,6 @@ def make_inputs(keys, m, n, k):
 
 def unquantised(x, w):
     return np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
-
-
-def run(backend, fn, *args):
-    with jax_dg.use_backend(backend):
-        return jax.jit(fn)(*args)
 
 
 @pytest.mark.parametrize("m,n,k", CPU_SHAPES)
@@ -187,13 +182,6 @@ def test_gpu_accumulate_matches_deep_gemm_from_torch(keys, m, n, k):
     assert all(bits(f(a, b, c)) == bits(d) for _ in range(5))
 
 
-def run_fresh(backend, fn, *args):
-    """`run` through a fresh function: jit caches traces per function and the backend is chosen
-    while tracing, so `run` on the same function reuses the first backend's trace."""
-    with jax_dg.use_backend(backend):
-        return jax.jit(lambda *a: fn(*a))(*args)
-
-
 # --- Layout variants (nn / tn / tt) and BF16 / cuBLASLt GEMMs --------------------------------
 # A layout names how the arrays are stored: a "n" = [M, K], "t" = [K, M]; b "t" = [N, K], "n" = [K, N].
 
@@ -216,12 +204,12 @@ def test_fp8_layouts_equal_nt_on_the_same_values(keys, layout, channel):
     f = lambda a, b: fn(a, b, **kw)  # noqa: E731
     a_l, b_l = store(layout, a, b)
     before = digest(a_l, b_l)
-    d = run_fresh("auto", f, a_l, b_l)
+    d = run("auto", f, a_l, b_l)
     assert digest(a_l, b_l) == before, "inputs were written"
-    nt = run_fresh("xla", lambda a, b: jax_dg.fp8_gemm_nt(a, b, **kw), a, b)
+    nt = run("xla", lambda a, b: jax_dg.fp8_gemm_nt(a, b, **kw), a, b)
     assert d.shape == (m, n) and d.dtype == (jnp.float32 if channel else jnp.bfloat16)
     assert jax_dg.calc_diff(d, nt) < 1e-6
-    np.testing.assert_array_equal(np.asarray(run_fresh("xla", f, a_l, b_l)), np.asarray(nt))
+    np.testing.assert_array_equal(np.asarray(run("xla", f, a_l, b_l)), np.asarray(nt))
     expected = unquantised(x, w) + (np.asarray(kw["c"]) if channel else 0)
     assert jax_dg.calc_diff(d, expected) < 1e-3
 
@@ -267,9 +255,9 @@ def test_bf16_gemms_match_reference(keys, family, layout):
     # bfloat16 d without c; float32 d accumulated onto c (c's dtype picks out_dtype).
     for f, expected, dtype in ((fn, exact, jnp.bfloat16),
                                (lambda a, b, c=c: fn(a, b, c=c), exact + np.asarray(c), jnp.float32)):
-        d = run_fresh("auto", f, a, b)
+        d = run("auto", f, a, b)
         assert d.shape == (m, n) and d.dtype == dtype
-        ref = run_fresh("xla", f, a, b)
+        ref = run("xla", f, a, b)
         np.testing.assert_allclose(np.asarray(d, np.float32), np.asarray(ref, np.float32),
                                    rtol=1e-5 if dtype == jnp.float32 else 2 ** -7, atol=1e-4)
         assert jax_dg.calc_diff(d, expected) < 1e-5
@@ -282,7 +270,7 @@ def test_bf16_gemm_bf16_accumulator_is_donated(keys):
     f = lambda a, b, c: jax_dg.bf16_gemm_nt(a, b, c=c)  # noqa: E731
     d = jax.jit(f, donate_argnums=2)(x, w, c + 0)
     assert d.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(d), np.asarray(run_fresh("xla", f, x, w, c)))
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(run("xla", f, x, w, c)))
 
 
 @pytest.mark.parametrize("fn,case,arg", [
@@ -314,7 +302,7 @@ def test_bf16_gemms_bad_inputs(keys, fn, case, arg):
 
 def test_cublaslt_has_no_deep_gemm_alignment_rules(keys):
     x, w = bf16_inputs(keys, 5, 12, 40)  # K % 64 != 0, M % 8 != 0: fine for cuBLASLt
-    d = run_fresh("auto", jax_dg.cublaslt_gemm_tn, x.T, w.T)
+    d = run("auto", jax_dg.cublaslt_gemm_tn, x.T, w.T)
     assert jax_dg.calc_diff(d, np.asarray(x, np.float32) @ np.asarray(w, np.float32).T) < 1e-5
 
 
@@ -331,8 +319,8 @@ def test_gpu_fp8_layouts_raise_on_sm90_and_run_the_torch_reference(keys, layout)
     fn = getattr(jax_dg, f"fp8_gemm_{layout}")
     with pytest.raises(Exception, match=f"`fp8_gemm_{layout}` has a DeepGEMM kernel only on sm100"):
         jax.block_until_ready(jax.jit(fn)(a_l, b_l))
-    d = run_fresh("torch", fn, a_l, b_l)  # the torch reference through the bridge, on the GPU
-    assert jax_dg.calc_diff(d, run_fresh("xla", fn, a_l, b_l)) < 1e-6
+    d = run("torch", fn, a_l, b_l)  # the torch reference through the bridge, on the GPU
+    assert jax_dg.calc_diff(d, run("xla", fn, a_l, b_l)) < 1e-6
     assert jax_dg.calc_diff(d, unquantised(x, w)) < 1e-3
 
 

@@ -18,16 +18,9 @@ import pytest
 
 import jax_dg
 from jax_dg.core.checks import align
-from tests.conftest import bits, digest, to_torch
+from tests.conftest import bits, digest, to_torch, run
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def run(backend, fn, *args):
-    # A fresh function per call: jit caches traces per function, and the backend is chosen
-    # while tracing, so re-jitting the same function would reuse the other backend's trace.
-    with jax_dg.use_backend(backend):
-        return jax.jit(lambda *a: fn(*a))(*args)
 
 
 @jax.jit

@@ -13,7 +13,7 @@ import pytest
 import jax_dg
 from jax_dg.capability import arch_family
 from jax_dg.reference.mhc import shared_sf_rows
-from tests.conftest import bits, digest, to_torch
+from tests.conftest import bits, digest, to_torch, run
 
 # DeepGEMM's test scalars (tests/test_mega_mhc.py)
 SCALARS = dict(hc_norm_eps=2e-5, hc_pre_eps=3e-4, hc_post_scale=1.25, sinkhorn_eps=2e-6,
@@ -46,11 +46,6 @@ def mhc_fn(shifted_prev, **kw):
     def f(*args):
         return jax_dg.mega_mhc(*args, shifted_prev_mix=shifted_prev, **SCALARS, **kw)
     return f
-
-
-def run(backend, fn, *args):
-    with jax_dg.use_backend(backend):
-        return jax.jit(fn)(*args)
 
 
 def float64_reference(args, shifted_prev):

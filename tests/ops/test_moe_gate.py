@@ -12,7 +12,7 @@ import pytest
 
 import jax_dg
 from jax_dg.capability import arch_family
-from tests.conftest import bits, digest, to_torch
+from tests.conftest import bits, digest, to_torch, run
 
 RSF = 1.5  # DeepGEMM's test routed_scaling_factor
 
@@ -55,11 +55,6 @@ def gate_fn(topk, scoring_func="sqrtsoftplus", ep_rank=0, **static):
         return jax_dg.bf16_mega_gate(x, w, topk, scoring_func=scoring_func, routed_scaling_factor=RSF,
                                      ep_rank=ep_rank, **kw, **static)
     return f
-
-
-def run(backend, fn, *args):
-    with jax_dg.use_backend(backend):
-        return jax.jit(fn)(*args)
 
 
 def check_routing(x, w, kw, weights, idx, topk, scoring_func):

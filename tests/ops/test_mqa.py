@@ -12,16 +12,10 @@ import pytest
 
 import jax_dg
 from jax_dg.reference import mqa as ref
-from tests.conftest import bits, digest, to_torch
+from tests.conftest import bits, digest, to_torch, run
 
 FP8 = jnp.float8_e4m3fn
 NEG_INF = -np.inf
-
-
-def run(backend, fn, *args):
-    """fn under jit with `backend`; a fresh function each time (jit reuses a function's trace)."""
-    with jax_dg.use_backend(backend):
-        return jax.jit(lambda *a: fn(*a))(*args)
 
 
 def make_inputs(keys, m, n, h, d):

@@ -14,6 +14,7 @@ import jax_dg
 from jax_dg import paged
 from jax_dg.ops import paged_mqa as ops
 from tests.conftest import digest, to_torch
+from tests.conftest import run as run_jit
 
 FP8 = jnp.float8_e4m3fn
 
@@ -112,9 +113,7 @@ def make_case(ctx, next_n, h, d, blk, *, two_d, extra_blocks=3, seed=0):
 
 
 def run(backend, fn, *args):
-    """fn under jit with `backend`, traced afresh (jit would reuse a trace made for another)."""
-    with jax_dg.use_backend(backend):
-        return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
+    return np.asarray(run_jit(backend, fn, *args))
 
 
 def assert_logits_close(got, want, lens2d):
