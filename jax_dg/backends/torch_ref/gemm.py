@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from jax_dg.backends.torch_ref.common import dequant
 
 __all__ = ["fp8_gemm_nt"]
