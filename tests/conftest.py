@@ -76,3 +76,24 @@ def to_torch(x):
 
 def bits(x) -> bytes:
     return np.asarray(jax.device_get(x)).tobytes()
+
+
+def _as_uint(x):
+    import jax.numpy as jnp
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+@jax.jit
+def same_bits(x, y):
+    """Bitwise equality of two arrays (pytrees allowed), on their device: for GPU-sized outputs
+    that would take seconds to bring to the host and hash."""
+    import jax.numpy as jnp
+    pairs = zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)
+    return jnp.all(jnp.stack([jnp.array_equal(_as_uint(a), _as_uint(b)) for a, b in pairs]))
+
+
+def device_copies(*arrays):
+    """Copies of arrays on their device; `same_bits(copies, arrays)` later proves the originals
+    were never written (the GPU tests' cheap form of `digest`)."""
+    import jax.numpy as jnp
+    return jax.tree.map(jnp.copy, arrays)
