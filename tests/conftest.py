@@ -7,6 +7,10 @@ import os
 
 # Leave room on the GPU for torch/DeepGEMM beside XLA's pool (set before jax starts).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+# The oracles' float32 matmuls come in many shapes (one per expert group); autotuning each costs
+# seconds on the GPU and changes nothing the tests assert. Benchmarks keep XLA's default.
+if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
