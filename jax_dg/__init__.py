@@ -7,7 +7,7 @@ import jax  # noqa: F401  (must precede the extension, see jax_dg/core/bridge.py
 
 from jax_dg.backends import ENV as BACKEND_ENV
 from jax_dg.backends import use_backend
-from jax_dg.core.checks import ArgumentError
+from jax_dg.core.checks import ArgumentError, UnsupportedArchError
 from jax_dg.ops.gemm import fp8_gemm_nt
 from jax_dg.quant import (
     calc_diff,

@@ -127,16 +127,13 @@ def missing_error(name: str) -> RuntimeError:
     return RuntimeError(f"jax_dg: DeepGEMM kernel `{name}` is unavailable: {where}. {INSTALL_HINT}")
 
 
-@functools.cache
-def device_arch(device: int = 0) -> str:
-    import torch
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
-def arch_family(device: int = 0) -> str:
-    arch = device_arch(device)
-    return "sm90" if arch.startswith("sm9") else "sm100" if arch.startswith("sm10") else arch
+def arch_error(op, arch: str | None):
+    """The error for an op whose DeepGEMM kernel does not exist on `arch`."""
+    from jax_dg.core.checks import UnsupportedArchError
+    return UnsupportedArchError(
+        f"jax_dg: `{op.name}` has a DeepGEMM kernel only on {', '.join(sorted(op.archs))}; "
+        f"this GPU is {arch}. Its reference runs anywhere: "
+        f"JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla (pure JAX).")
 
 
 class Kernels(types.SimpleNamespace):
@@ -151,12 +148,9 @@ class Kernels(types.SimpleNamespace):
 
 
 def kernels_for(op) -> Kernels:
-    family = arch_family()
-    if family not in op.archs:
-        raise RuntimeError(
-            f"jax_dg: `{op.name}` has a DeepGEMM kernel only on {', '.join(sorted(op.archs))}; "
-            f"this GPU is {device_arch()}. Its reference runs anywhere: "
-            f"JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla (pure JAX).")
+    from jax_dg import capability
+    if capability.arch_family() not in op.archs:  # Op checks this while tracing; kept as a guard
+        raise arch_error(op, capability.device_arch())
     found = {}
     for name in op.kernels:
         fn = resolve(name)

@@ -12,6 +12,11 @@ class ArgumentError(ValueError):
     """Bad input to a jax_dg op, caught while tracing."""
 
 
+class UnsupportedArchError(RuntimeError):
+    """The op has no DeepGEMM kernel on the target GPU's architecture (raised while tracing;
+    JAX_DG_BACKEND=torch or xla runs its reference instead)."""
+
+
 class Checker:
     """Collects the checks of one op call; `fail` raises ArgumentError("op: `arg` rule, got ...")."""
 

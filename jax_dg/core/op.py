@@ -24,6 +24,10 @@ import jax
 
 from jax_dg import backends
 from jax_dg.core import bridge
+from jax_dg.core.target import target
+
+
+ALL_ARCHS = frozenset({"sm90", "sm100"})  # where DeepGEMM runs
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,7 +42,7 @@ class Op:
     # How jax.vmap maps over the custom call; "sequential" is always correct.
     vmap_method: str = "sequential"
     # Ops whose DeepGEMM kernel exists only on some architectures: {"sm100"}.
-    archs: frozenset[str] = frozenset({"sm90", "sm100"})
+    archs: frozenset[str] = ALL_ARCHS
     target: str = ""
 
     def __post_init__(self):
@@ -49,6 +53,12 @@ class Op:
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
         out_types = tuple(self.rule(*arrays, **static))
         backend = backends.requested()
+        if backend != "xla":  # no DeepGEMM kernel on this GPU: say so now, not when it runs
+            t = target()
+            if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in self.archs:
+                from jax_dg.backends.deep_gemm import arch_error
+                from jax_dg import capability
+                raise arch_error(self, capability.device_arch())
         if backend == "xla":
             outs = self.reference(*arrays, **static)
             return outs if isinstance(outs, tuple) else (outs,)

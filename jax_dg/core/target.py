@@ -42,9 +42,10 @@ def target() -> Target:
         except RuntimeError:          # deep_gemm asked for on CPU: the call reports it
             backend = "deep_gemm"
     if backend == "deep_gemm" and platform == "cuda":
+        from jax_dg import capability
         from jax_dg.backends import deep_gemm as dg
         mod = dg.module()
         if mod is not None:
-            return Target(backend, platform, dg.arch_family(), int(mod.get_num_sms()))
+            return Target(backend, platform, capability.arch_family(), int(mod.get_num_sms()))
     from jax_dg.backends.torch_ref import paged_mqa as tr
     return Target(backend, platform, tr.EMULATED_ARCH, tr.get_num_sms())

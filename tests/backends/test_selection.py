@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 import jax_dg
-from jax_dg import backends
+from jax_dg import backends, capability
 from jax_dg.backends import deep_gemm as dg_backend
+from jax_dg.core import op as core_op
+from jax_dg.core.target import Target
 
 
 def test_env_and_context_choose_the_backend(monkeypatch):
@@ -80,13 +82,37 @@ def test_missing_kernel_error_names_it_and_how_to_install(monkeypatch):
 def test_kernels_for_reports_missing_kernels_and_wrong_arch(monkeypatch):
     from jax_dg.ops.gemm import FP8_GEMM_NT
     monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm())
-    monkeypatch.setattr(dg_backend, "arch_family", lambda device=0: "sm90")
-    monkeypatch.setattr(dg_backend, "device_arch", lambda device=0: "sm90")
+    monkeypatch.setattr(capability, "arch_family", lambda device=None: "sm90")
+    monkeypatch.setattr(capability, "device_arch", lambda device=None: "sm90")
     with pytest.raises(RuntimeError, match="`fp8_gemm_nt` is unavailable"):
         dg_backend.kernels_for(FP8_GEMM_NT)
     sm100_only = types.SimpleNamespace(name="x_sm100", archs=frozenset({"sm100"}), kernels=())
     with pytest.raises(RuntimeError, match="only on sm100"):
         dg_backend.kernels_for(sm100_only)
+
+
+@pytest.mark.parametrize("gpu", ["sm90", "sm80"])
+def test_no_kernel_on_the_target_gpu_fails_while_tracing(monkeypatch, gpu):
+    """An op traced for a GPU where DeepGEMM lacks its kernel raises UnsupportedArchError at trace
+    time (not an XLA runtime error later); the references still trace there."""
+    family = "sm90" if gpu == "sm90" else gpu
+    monkeypatch.setattr(core_op, "target", lambda: Target(
+        backends.resolve(backends.requested(), "cuda"), "cuda", family, 132))
+    monkeypatch.setattr(capability, "device_arch", lambda device=None: gpu)
+    a = (jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 256), jnp.float32))  # [K, M], 1x128
+    b = (jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 2), jnp.float32))    # [K, N], 128x128
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    fresh = lambda fn: jax.jit(lambda *args: fn(*args))  # noqa: E731  (jit caches traces per function)
+    ops = [(jax_dg.fp8_gemm_tn, (a, b))] + ([(jax_dg.bf16_gemm_nt, (x, x))] if gpu == "sm80" else [])
+    for fn, args in ops:
+        with pytest.raises(jax_dg.UnsupportedArchError,
+                           match=rf"`{fn.__name__}` has a DeepGEMM kernel only on .*this GPU is {gpu}"):
+            fresh(fn).trace(*args)
+        for backend in ("torch", "xla"):
+            with jax_dg.use_backend(backend):
+                fresh(fn).trace(*args)
+    if gpu == "sm90":
+        fresh(jax_dg.bf16_gemm_nt).trace(x, x)
 
 
 def test_jit_cache_dir_is_set_when_unset(monkeypatch):

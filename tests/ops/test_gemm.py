@@ -311,13 +311,13 @@ def test_cublaslt_has_no_deep_gemm_alignment_rules(keys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nn", "tn", "tt"])
 def test_gpu_fp8_layouts_raise_on_sm90_and_run_the_torch_reference(keys, layout):
-    from jax_dg.backends import deep_gemm as dg_backend
-    if dg_backend.arch_family() != "sm90":
+    from jax_dg.capability import arch_family
+    if arch_family() != "sm90":
         pytest.skip("the clear error is SM90's; SM100 runs these kernels")
     x, w, a, b = make_inputs(keys, 128, 512, 512)
     a_l, b_l = store(layout, a, b)
     fn = getattr(jax_dg, f"fp8_gemm_{layout}")
-    with pytest.raises(Exception, match=f"`fp8_gemm_{layout}` has a DeepGEMM kernel only on sm100"):
+    with pytest.raises(jax_dg.UnsupportedArchError, match=f"`fp8_gemm_{layout}` has a DeepGEMM kernel only on sm100"):
         jax.block_until_ready(jax.jit(fn)(a_l, b_l))
     d = run("torch", fn, a_l, b_l)  # the torch reference through the bridge, on the GPU
     assert jax_dg.calc_diff(d, run("xla", fn, a_l, b_l)) < 1e-6

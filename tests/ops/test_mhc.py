@@ -209,7 +209,7 @@ def test_gpu_sm90_raises_the_sm100_only_error_and_references_run(keys):
         pytest.skip("SM100: DeepGEMM's kernel runs (see the next test)")
     args, shifted_prev = make_inputs(keys, 64, 4096, True)
     f = mhc_fn(shifted_prev, fp8_sf_layout="gemm")
-    with pytest.raises(Exception, match=r"mega_mhc.*only on sm100.*JAX_DG_BACKEND=torch"):
+    with pytest.raises(jax_dg.UnsupportedArchError, match=r"mega_mhc.*only on sm100.*JAX_DG_BACKEND=torch"):
         jax.block_until_ready(run("auto", f, *args))
     out, ref = run("torch", f, *args), run("xla", f, *args)
     for name in ("new_residual", "new_comb_res_mix", "y_bf16"):
