@@ -22,29 +22,29 @@ def _version(module: str) -> str:
         return f"not importable ({type(e).__name__}: {e})"
 
 
-def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple[bool, str]:
-    """(runs natively on DeepGEMM, a description) for one registered op."""
+def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple[str, str]:
+    """(what a call does here: "native", "reference" or "raises", why) for one registered op."""
     from jax_dg.backends import deep_gemm
     if backend == "xla":
-        return False, "pure-JAX reference (JAX_DG_BACKEND=xla)"
+        return "reference", "pure-JAX reference (JAX_DG_BACKEND=xla)"
     if backend == "torch":
-        return False, "torch reference through the bridge (JAX_DG_BACKEND=torch)"
+        return "reference", "torch reference through the bridge (JAX_DG_BACKEND=torch)"
     if platform_name != "gpu":
-        return False, f"torch reference through the bridge ({platform_name}: no CUDA device)"
+        return "reference", f"torch reference through the bridge ({platform_name}: no CUDA device)"
     if family not in op.archs:
-        return False, (f"no DeepGEMM kernel on {family} (needs {', '.join(sorted(op.archs))}); "
-                       f"JAX_DG_BACKEND=torch or xla runs the reference")
+        return "raises", (f"UnsupportedArchError: no DeepGEMM kernel on {family} (needs "
+                          f"{', '.join(sorted(op.archs))}); JAX_DG_BACKEND=torch or xla runs the reference")
     if deep_gemm.module() is None:
-        return False, f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}"
+        return "raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}"
     missing = [k for k in op.kernels if deep_gemm.resolve(k) is None]
     if missing:
-        return False, (f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
-                       f"JAX_DG_BACKEND=torch or xla runs the reference")
+        return "raises", (f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
+                          f"JAX_DG_BACKEND=torch or xla runs the reference")
     names = []
     for k in op.kernels:
         fn = deep_gemm.resolve(k)
         names.append(getattr(fn, "__name__", k))
-    return True, "DeepGEMM: " + ", ".join(names)
+    return "native", "DeepGEMM: " + ", ".join(names)
 
 
 def _import_all_ops() -> list[str]:
@@ -112,9 +112,9 @@ def collect() -> dict[str, Any]:
     ops = []
     for name in sorted(n for n in bridge._OPS if not n.startswith("_")):  # "_": test-only ops
         op = bridge._OPS[name]
-        native, how = op_status(op, first.platform, family, backend)
+        mode, how = op_status(op, first.platform, family, backend)
         ops.append({"name": name, "kernels": list(op.kernels), "archs": sorted(op.archs),
-                    "native": native, "how": how})
+                    "native": mode == "native", "mode": mode, "how": how})
     info["ops"] = ops
     return info
 
@@ -142,8 +142,7 @@ def format_info(info: dict[str, Any]) -> str:
     for failure in info.get("op_import_failures", []):
         lines.append(f"  (could not import {failure})")
     for o in info["ops"]:
-        mark = "native  " if o["native"] else "fallback"
-        lines.append(f"  {o['name']:<{width}}  {mark}  {o['how']}")
+        lines.append(f"  {o['name']:<{width}}  {o['mode']:<9}  {o['how']}")
     return "\n".join(lines)
 
 

@@ -21,15 +21,17 @@ def test_collect_lists_every_registered_op_with_its_resolution():
         assert key in info
     if info["default_backend"] == "cpu":
         assert not any(o["native"] for o in info["ops"])
+        assert {o["mode"] for o in info["ops"]} == {"reference"}
         assert all("torch reference" in o["how"] for o in info["ops"])
         assert info["devices"][0]["arch"] is None
 
 
 def test_op_status_reasons():
     op = bridge._OPS["bf16_mega_gate"]
-    native, how = cli.op_status(op, "gpu", "sm90", "auto")
-    assert not native and "needs sm100" in how
-    assert cli.op_status(op, "gpu", "sm100", "xla") == (False, "pure-JAX reference (JAX_DG_BACKEND=xla)")
+    mode, how = cli.op_status(op, "gpu", "sm90", "auto")
+    assert mode == "raises" and "UnsupportedArchError" in how and "needs sm100" in how
+    assert cli.op_status(op, "gpu", "sm100", "xla") == ("reference", "pure-JAX reference (JAX_DG_BACKEND=xla)")
+    assert cli.op_status(op, "cpu", None, "auto")[0] == "reference"
     assert "torch reference" in cli.op_status(op, "cpu", None, "auto")[1]
 
 
