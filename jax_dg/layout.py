@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.core.checks import Checker, align, cdiv
+from jax_dg.core.checks import ArgumentError, Checker, align, cdiv
 from jax_dg.quant import ceil_to_ue8m0, pack_ue8m0_to_int
 
 __all__ = [
@@ -39,7 +39,7 @@ LEGACY_MK_ALIGNMENT = 128  # DeepGEMM's kLegacyMKAlignmentForContiguousLayout
 def get_tma_aligned_size(x: int, element_size: int) -> int:
     """DeepGEMM's TMA alignment: x rounded up to 16 bytes' worth of elements."""
     if 16 % element_size:
-        raise ValueError(f"get_tma_aligned_size: element_size must divide 16, got {element_size}")
+        raise ArgumentError(f"get_tma_aligned_size: `element_size` must divide 16, got {element_size}")
     return align(x, 16 // element_size)
 
 
@@ -187,7 +187,11 @@ def transform_sf_into_required_layout(sf: jax.Array, mn: int, k: int, recipe, nu
 
 # --- M/K alignment of the contiguous grouped layout ------------------------------------------
 
-_mk_alignment = [LEGACY_MK_ALIGNMENT]
+# The alignment set through jax_dg (None: DeepGEMM's own, else the legacy 128). It is a
+# jit-cache-sensitive context: layouts and the contiguous ops read it while tracing, so a
+# function traced under one alignment is traced again under another instead of reusing stale
+# padding.
+_mk_alignment = jax.make_user_context(default_value=None)
 
 
 def _dg(name: str):
@@ -196,35 +200,53 @@ def _dg(name: str):
 
 
 def get_mk_alignment_for_contiguous_layout() -> int:
-    """The row alignment of each group in m-grouped contiguous layouts (and of K in k-grouped
-    ones): DeepGEMM's global when deep_gemm imports, else jax_dg's (default 128, DeepGEMM's
-    legacy value). An int, as DeepGEMM returns (vLLM's wrapper returns [value, value])."""
+    """The row alignment of each group in m-grouped contiguous layouts: the value set through
+    jax_dg (`set_mk_alignment_for_contiguous_layout`, `mk_alignment_scope`), else DeepGEMM's
+    when deep_gemm imports, else 128 (DeepGEMM's legacy value). An int, as DeepGEMM returns
+    (vLLM's wrapper returns [value, value])."""
+    if _mk_alignment.value is not None:
+        return _mk_alignment.value
     fn = _dg("get_mk_alignment_for_contiguous_layout")
-    return int(fn()) if fn is not None else _mk_alignment[0]
+    return int(fn()) if fn is not None else LEGACY_MK_ALIGNMENT
 
 
-def set_mk_alignment_for_contiguous_layout(value: int) -> None:
-    """Sets the alignment (DeepGEMM's BLOCK_M cap for grouped contiguous GEMMs); in DeepGEMM
-    too when it imports. Group padding must match the kernel's BLOCK_M, so set it before
-    building layouts (jax_dg.routing reads it at trace time)."""
+def _checked_alignment(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"set_mk_alignment_for_contiguous_layout: value must be a positive int, "
-                         f"got {value!r}")
+        raise ArgumentError(f"set_mk_alignment_for_contiguous_layout: `value` must be a positive "
+                            f"int, got {value!r}")
+    return value
+
+
+def _set_deep_gemm_alignment(value: int) -> None:
     fn = _dg("set_mk_alignment_for_contiguous_layout")
     if fn is not None:
         fn(value)
-    _mk_alignment[0] = value
+
+
+def set_mk_alignment_for_contiguous_layout(value: int) -> None:
+    """Sets the alignment: DeepGEMM's BLOCK_M cap for m-grouped contiguous GEMMs. Group padding
+    must match the kernel's BLOCK_M: jax_dg's layouts and contiguous ops trace with this value
+    (functions traced before are traced again), and each contiguous op sets DeepGEMM to the
+    value it was traced with before its kernel runs. DeepGEMM's own global is set too, for
+    torch code in the same process."""
+    value = _checked_alignment(value)
+    _mk_alignment.set_global(value)
+    _set_deep_gemm_alignment(value)
 
 
 @contextlib.contextmanager
 def mk_alignment_scope(value: int):
-    """Sets the mk alignment for the block and restores the previous value on exit."""
-    prev = get_mk_alignment_for_contiguous_layout()
-    set_mk_alignment_for_contiguous_layout(value)
-    try:
-        yield
-    finally:
-        set_mk_alignment_for_contiguous_layout(prev)
+    """The alignment for the block (functions traced inside use it); restored on exit."""
+    value = _checked_alignment(value)
+    prev_dg = _dg("get_mk_alignment_for_contiguous_layout")
+    prev_dg = int(prev_dg()) if prev_dg is not None else None
+    with _mk_alignment(value):
+        _set_deep_gemm_alignment(value)
+        try:
+            yield
+        finally:
+            if prev_dg is not None:
+                _set_deep_gemm_alignment(prev_dg)
 
 
 def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None,
@@ -238,7 +260,8 @@ def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = 
     other GPUs and CPU 128.
     """
     if num_groups is not None and num_groups <= 0:
-        raise ValueError(f"num_groups must be positive, got {num_groups}")
+        raise ArgumentError(f"get_theoretical_mk_alignment_for_contiguous_layout: `num_groups` must be "
+                            f"positive, got {num_groups}")
     fn = _dg("get_theoretical_mk_alignment_for_contiguous_layout")
     if fn is not None:
         if num_groups is None:

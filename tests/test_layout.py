@@ -218,9 +218,9 @@ def test_tma_aligned_size():
 def no_deep_gemm(monkeypatch):
     """The pure-Python path (what runs without deep_gemm), with the value restored after."""
     monkeypatch.setattr(layout, "_dg", lambda name: None)
-    prev = layout._mk_alignment[0]
+    prev = layout._mk_alignment.get_global()
     yield
-    layout._mk_alignment[0] = prev
+    layout._mk_alignment.set_global(prev)
 
 
 def test_mk_alignment_get_set_scope(no_deep_gemm):
@@ -278,13 +278,31 @@ def test_set_delegates_to_deep_gemm_when_present(monkeypatch):
     fns = {"get_mk_alignment_for_contiguous_layout": lambda: state["v"],
            "set_mk_alignment_for_contiguous_layout": lambda v: state.update(v=v)}
     monkeypatch.setattr(layout, "_dg", fns.get)
-    prev = layout._mk_alignment[0]
+    prev = layout._mk_alignment.get_global()
     try:
         with jax_dg.mk_alignment_scope(256):
             assert state["v"] == 256 and jax_dg.get_mk_alignment_for_contiguous_layout() == 256
-        assert state["v"] == 128
+        assert state["v"] == 128 and jax_dg.get_mk_alignment_for_contiguous_layout() == 128
+        jax_dg.set_mk_alignment_for_contiguous_layout(64)
+        assert state["v"] == 64 and jax_dg.get_mk_alignment_for_contiguous_layout() == 64
     finally:
-        layout._mk_alignment[0] = prev
+        layout._mk_alignment.set_global(prev)
+
+
+def test_alignment_is_part_of_jits_cache_key(no_deep_gemm):
+    """A function jitted once is traced again when the alignment changes (the padding is a static
+    shape): in a scope, after it, and after a global set."""
+    topk = jnp.asarray([[0], [1], [1]], jnp.int32)  # T 3, K 1, G 2
+    f = jax.jit(lambda t: jax_dg.contiguous_layout(t, 2))
+    assert f(topk).grouped_layout.shape == (384,)   # align(3 + 2 * 127, 128)
+    with jax_dg.mk_alignment_scope(256):
+        assert f(topk).grouped_layout.shape == (768,)
+    assert f(topk).grouped_layout.shape == (384,)
+    jax_dg.set_mk_alignment_for_contiguous_layout(64)
+    lay = f(topk)
+    assert lay.grouped_layout.shape == (192,)
+    np.testing.assert_array_equal(np.asarray(lay.group_offsets), [0, 64])
+    np.testing.assert_array_equal(np.asarray(lay.grouped_layout)[[0, 1, 63, 64, 65, 66]], [0, -1, -1, 1, 1, -1])
 
 
 # --- GPU: bitwise against deep_gemm's own functions --------------------------------------------

@@ -16,17 +16,19 @@ import jax.numpy as jnp
 
 from jax_dg.core.checks import Checker, cdiv
 from jax_dg.core.op import Op
+from jax_dg.layout import get_mk_alignment_for_contiguous_layout
 from jax_dg.reference import grouped as ref
 
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 I32 = jnp.int32
-# get_mk_alignment_for_contiguous_layout() on SM90: the m-grouped kernels' BLOCK_M.
+# The masked kernels' row block on SM90 (Mmax must be a multiple). The contiguous ops use
+# get_mk_alignment_for_contiguous_layout() (128 unless set), read while tracing.
 MK_ALIGNMENT = 128
 
 
-def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool):
+def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool, mk_alignment: int = 0):
     """Checks the operands of an m-grouped GEMM; returns (G, M or Mmax, N, K)."""
     an, bn = ("a[0]", "b[0]") if fp8 else ("a", "b")
     ck.ndim(a, an, 3 if masked else 2, "[G, Mmax, K]" if masked else "[M, K]")
@@ -51,24 +53,33 @@ def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool)
                 f"must have Mmax a positive multiple of {MK_ALIGNMENT} (DeepGEMM stores all groups "
                 "through one [G * Mmax] map, so a partial last block would spill into the next group)", m)
     else:
-        ck.that(m % MK_ALIGNMENT == 0, an,
-                f"must have M % {MK_ALIGNMENT} == 0 (every group's rows padded to a multiple of "
-                f"{MK_ALIGNMENT}, get_mk_alignment_for_contiguous_layout())", m)
+        ck.that(m % mk_alignment == 0, an,
+                f"must have M % {mk_alignment} == 0 (every group's rows padded to a multiple of "
+                f"get_mk_alignment_for_contiguous_layout() = {mk_alignment})", m)
     return g, m, n, k
 
 
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
 
 def _contiguous_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, grouped_layout):
+    def rule(a, sfa, b, sfb, grouped_layout, *, mk_alignment):
         ck = Checker(name)
-        _, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=False)
+        _, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=False,
+                                         mk_alignment=mk_alignment)
         ck.tensor(grouped_layout, "grouped_layout", [I32], (m,), "[M] (group id per row, -1 = padding)")
         return [jax.ShapeDtypeStruct((m, n), BF16)]
     return rule
 
 
-def _fp8_contiguous_call(k, a, sfa, b, sfb, grouped_layout, d):
+def _use_alignment(k, mk_alignment):
+    """DeepGEMM picks BLOCK_M <= its global alignment when the kernel runs: make it the value
+    the layout was traced with (a getter call when it already is)."""
+    if k.get_mk_alignment_for_contiguous_layout() != mk_alignment:
+        k.set_mk_alignment_for_contiguous_layout(mk_alignment)
+
+
+def _fp8_contiguous_call(k, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment):
+    _use_alignment(k, mk_alignment)
     k.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, grouped_layout)
 
 
@@ -84,14 +95,16 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
 _bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
-def _bf16_contiguous_call(k, a, b, grouped_layout, d):
+def _bf16_contiguous_call(k, a, b, grouped_layout, d, *, mk_alignment):
+    _use_alignment(k, mk_alignment)
     k.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
     name="m_grouped_bf16_gemm_nt_contiguous",
     args=("a", "b", "grouped_layout"),
-    rule=lambda a, b, grouped_layout: _bf16_contiguous_rule(a, None, b, None, grouped_layout),
+    rule=lambda a, b, grouped_layout, *, mk_alignment: _bf16_contiguous_rule(
+        a, None, b, None, grouped_layout, mk_alignment=mk_alignment),
     call=_bf16_contiguous_call,
     reference=ref.m_grouped_bf16_gemm_nt_contiguous,
     kernels=("m_grouped_bf16_gemm_nt_contiguous",),
@@ -103,7 +116,7 @@ def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
     if clean:
         # Ids outside [0, G) become padding: DeepGEMM would read past b for ids >= G.
         grouped_layout = jnp.where(grouped_layout < num_groups, grouped_layout, -1)
-    (d,) = op(*arrays, grouped_layout)
+    (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout())
     if clean:
         d = jnp.where((grouped_layout >= 0)[:, None], d, jnp.zeros((), d.dtype))
     return d
@@ -118,9 +131,11 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     grouped_layout: int32 [M], the expert of each row, -1 for padding rows.
     Returns d bfloat16 [M, N].
 
-    Layout contract (DeepGEMM computes a 128-row block with the group of its first row): each
-    group's rows are contiguous, start at a multiple of 128 and are padded with -1 rows to a
-    multiple of 128 (so M % 128 == 0); groups may come in any order and may be empty. Rows of a
+    Layout contract (DeepGEMM computes a block of A rows, A = get_mk_alignment_for_contiguous_layout(),
+    128 unless set, with the group of its first row): each group's rows are contiguous, start at
+    a multiple of A and are padded with -1 rows to a multiple of A (so M % A == 0); groups may
+    come in any order and may be empty. A is read while tracing and DeepGEMM is set to it when
+    the kernel runs. Rows of a
     layout that breaks it are not computed as written. K % 16 == 0, N % 8 == 0.
     clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d.
     clean=False: d straight from DeepGEMM; padding rows hold 0 or a[r] @ b[g].T for the group g

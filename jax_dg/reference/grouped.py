@@ -31,7 +31,8 @@ def m_grouped_masked(x, w, masked_m, *, out_dtype: str = "bfloat16"):
     return jnp.where(rows[:, :, None], d, 0).astype(out_dtype)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, layout):
+def m_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, layout, *, mk_alignment=None):
+    # mk_alignment sizes the kernel's row blocks; the math does not depend on it
     return m_grouped_contiguous(dequant(a, sfa, 1, 128), dequant(b, sfb, 128, 128), layout)
 
 
@@ -39,7 +40,7 @@ def m_grouped_fp8_gemm_nt_masked(a, sfa, b, sfb, masked_m, *, expected_m):
     return m_grouped_masked(dequant(a, sfa, 1, 128), dequant(b, sfb, 128, 128), masked_m)
 
 
-def m_grouped_bf16_gemm_nt_contiguous(a, b, layout):
+def m_grouped_bf16_gemm_nt_contiguous(a, b, layout, *, mk_alignment=None):
     return m_grouped_contiguous(a, b, layout)
 
 

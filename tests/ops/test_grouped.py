@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +37,11 @@ def cast_b(w):
     return jax.jit(jax.vmap(jax_dg.per_block_cast_to_fp8))(w)
 
 
-def contiguous_layout(ms, order=None):
-    """Group ids per row: each group's ms[g] rows, then -1 up to a multiple of 128, in `order`."""
+def contiguous_layout(ms, order=None, alignment=128):
+    """Group ids per row: each group's ms[g] rows, then -1 up to a multiple of `alignment`, in `order`."""
     ids = []
     for g in (range(len(ms)) if order is None else order):
-        ids += [g] * ms[g] + [-1] * (align(ms[g], 128) - ms[g])
+        ids += [g] * ms[g] + [-1] * (align(ms[g], alignment) - ms[g])
     return np.asarray(ids, np.int32)
 
 
@@ -134,6 +135,42 @@ def test_contiguous_with_no_rows(keys):
     b = cast_b(jax.random.normal(keys(), (2, 64, 128), jnp.bfloat16))
     d = run("auto", jax_dg.m_grouped_fp8_gemm_nt_contiguous, a, b, jnp.zeros((0,), jnp.int32))
     assert d.shape == (0, 64)
+
+
+def test_contiguous_follows_the_mk_alignment(keys, monkeypatch):
+    """Layouts padded to another alignment: checked against it while tracing, and the backend's
+    BLOCK_M cap is set to it when the kernel runs (here the torch reference records it)."""
+    from jax_dg import layout as layout_mod
+    from jax_dg.backends import torch_ref
+    monkeypatch.setattr(layout_mod, "_dg", lambda name: None)  # jax_dg's value alone
+    layout = jnp.asarray(contiguous_layout([70, 0, 20], alignment=64))  # M = 128 + 64
+    x = jax.random.normal(keys(), (layout.shape[0], 128), jnp.bfloat16)
+    w = jax.random.normal(keys(), (3, 64, 128), jnp.bfloat16)
+    f = jax.jit(jax_dg.m_grouped_bf16_gemm_nt_contiguous)
+    with pytest.raises(jax_dg.ArgumentError, match=re.escape("`a` must have M % 128 == 0")):
+        f(x, w, layout)
+    try:
+        with jax_dg.mk_alignment_scope(64):
+            d = jax.block_until_ready(f(x, w, layout))
+            assert torch_ref.get_mk_alignment_for_contiguous_layout() == 64
+            ref = run("xla", jax_dg.m_grouped_bf16_gemm_nt_contiguous, x, w, layout)
+        assert jax_dg.calc_diff(d, ref) < 1e-6
+        assert jax_dg.calc_diff(d, contiguous_expected(x, w, np.asarray(layout))) < 1e-5
+        with pytest.raises(jax_dg.ArgumentError, match=re.escape("get_mk_alignment_for_contiguous_layout() = 128")):
+            f(x, w, layout)  # traced again outside the scope
+    finally:
+        torch_ref.set_mk_alignment_for_contiguous_layout(128)
+
+
+def test_contiguous_call_sets_deep_gemms_alignment_only_when_it_differs():
+    from jax_dg.ops.grouped import _use_alignment
+    calls = []
+    k = types.SimpleNamespace(get_mk_alignment_for_contiguous_layout=lambda: 128,
+                              set_mk_alignment_for_contiguous_layout=calls.append)
+    _use_alignment(k, 128)
+    assert calls == []
+    _use_alignment(k, 64)
+    assert calls == [64]
 
 
 # --- CPU: m-grouped masked -------------------------------------------------------------------

@@ -13,7 +13,20 @@ from jax_dg.backends.torch_ref.common import dequant
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "fp8_m_grouped_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
-           "bf16_m_grouped_gemm_nt_masked"]
+           "bf16_m_grouped_gemm_nt_masked", "get_mk_alignment_for_contiguous_layout",
+           "set_mk_alignment_for_contiguous_layout"]
+
+# DeepGEMM's BLOCK_M cap for contiguous layouts; the reference computes row by row, so it
+# only records it (the ops set it as they set DeepGEMM's).
+_mk_alignment = [128]
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    return _mk_alignment[0]
+
+
+def set_mk_alignment_for_contiguous_layout(value: int) -> None:
+    _mk_alignment[0] = int(value)
 
 
 def _contiguous(x, w, d, grouped_layout):
