@@ -75,6 +75,7 @@ from jax_dg.ops.hyperconnection import tf32_hc_prenorm_gemm
 from jax_dg.capability import (
     DeepGemmQuantScaleFMT,
     has_deep_gemm,
+    is_blackwell_deep_gemm_used,
     is_deep_gemm_e8m0_used,
     is_deep_gemm_supported,
     should_auto_disable_deep_gemm,

@@ -113,6 +113,12 @@ def _has_fp8_gemm_nt() -> bool:
     return deep_gemm.resolve("fp8_gemm_nt") is not None
 
 
+def is_blackwell_deep_gemm_used(device: Any = None) -> bool:
+    """True when DeepGEMM runs on `device` and it is a Blackwell-class GPU (major 10: SM100,
+    SM103), as vLLM's oldest wrapper reports; supported as in is_deep_gemm_supported."""
+    return is_device_capability_family(100, device) and is_deep_gemm_supported(device)
+
+
 def is_deep_gemm_e8m0_used(device: Any = None) -> bool:
     """True when DeepGEMM runs on `device` with UE8M0 scales: supported, its fp8_gemm_nt
     resolves, and JAX_DG_USE_DEEP_GEMM_E8M0 is not 0 (vLLM's VLLM_USE_DEEP_GEMM_E8M0)."""

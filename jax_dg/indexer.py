@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_dg.core.checks import ArgumentError
 from jax_dg.quant import cast_with_scale, scale_for
 
 
@@ -24,7 +25,7 @@ def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.A
     values = x * (1 / sf) cast to e4m3, exactly as DeepGEMM's per_custom_dims_cast_to_fp8(x, (0,)).
     """
     if x.ndim < 1:
-        raise ValueError(f"per_row_cast_to_fp8: `x` must have a row dimension, got shape {x.shape}")
+        raise ArgumentError(f"per_row_cast_to_fp8: `x` must have a row dimension, got shape {x.shape}")
     xf = x.astype(jnp.float32)
     axes = tuple(range(1, x.ndim))
     amax = jnp.abs(xf).max(axis=axes, keepdims=True) if axes else jnp.abs(xf)
@@ -52,7 +53,7 @@ def causal_ks_ke(num_queries: int, num_keys: int, *, include_self: bool = True):
     empty when S == SK).
     """
     if num_queries > num_keys:
-        raise ValueError(f"causal_ks_ke: `num_queries` ({num_queries}) must be <= `num_keys` ({num_keys})")
+        raise ArgumentError(f"causal_ks_ke: `num_queries` ({num_queries}) must be <= `num_keys` ({num_keys})")
     ks = jnp.zeros((num_queries,), jnp.int32)
     ke = jnp.arange(num_queries, dtype=jnp.int32) + (num_keys - num_queries + int(include_self))
     return ks, ke
@@ -71,7 +72,7 @@ def varlen_causal_ks_ke(cu_seqlens_q: jax.Array, num_queries: int, cu_seqlens_k:
     cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
     cu_k = cu_q if cu_seqlens_k is None else jnp.asarray(cu_seqlens_k, jnp.int32)
     if cu_q.ndim != 1 or cu_k.shape != cu_q.shape:
-        raise ValueError(f"varlen_causal_ks_ke: `cu_seqlens_q` and `cu_seqlens_k` must be 1-D [B+1] "
+        raise ArgumentError(f"varlen_causal_ks_ke: `cu_seqlens_q` and `cu_seqlens_k` must be 1-D [B+1] "
                          f"of one shape, got {cu_q.shape} and {cu_k.shape}")
     rows = jnp.arange(num_queries, dtype=jnp.int32)
     b = jnp.clip(jnp.searchsorted(cu_q, rows, side="right") - 1, 0, cu_q.shape[0] - 2)

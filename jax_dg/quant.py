@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.core.checks import align
+from jax_dg.core.checks import ArgumentError, align
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -26,7 +26,8 @@ def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
 def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
     """Packs 4 power-of-two float32 scales (last axis) into one int32 of exponent bytes."""
     if x.dtype != jnp.float32 or x.shape[-1] % 4:
-        raise ValueError("pack_ue8m0_to_int: `x` must be float32 with a last axis divisible by 4")
+        raise ArgumentError(f"pack_ue8m0_to_int: `x` must be float32 with a last axis divisible "
+                            f"by 4, got {x.dtype}{list(x.shape)}")
     exps = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23).astype(jnp.uint8)
     exps = exps.reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
     return jax.lax.bitcast_convert_type(exps, jnp.int32)
@@ -47,10 +48,10 @@ def cast_with_scale(x: jax.Array, sf: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * jax.lax.optimization_barrier(1.0 / sf)).astype(FP8)
 
 
-def per_token_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int = 128):
+def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
     if x.ndim != 2:
-        raise ValueError(f"per_token_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
+        raise ArgumentError(f"per_token_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
     m, n = x.shape
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, align(n, gran_k) - n)))
     xv = xp.reshape(m, -1, gran_k)
@@ -59,10 +60,10 @@ def per_token_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int 
     return values, sf
 
 
-def per_block_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False, gran_k: int = 128):
+def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
     if x.ndim != 2:
-        raise ValueError(f"per_block_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
+        raise ArgumentError(f"per_block_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
     m, n = x.shape
     xp = jnp.pad(x.astype(jnp.float32), ((0, align(m, gran_k) - m), (0, align(n, gran_k) - n)))
     xv = xp.reshape(xp.shape[0] // gran_k, gran_k, xp.shape[1] // gran_k, gran_k)

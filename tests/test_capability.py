@@ -50,6 +50,13 @@ def test_supported_per_device(env):
     assert not jax_dg.is_deep_gemm_supported(H200)
 
 
+def test_blackwell_used(env):
+    assert [jax_dg.is_blackwell_deep_gemm_used(d) for d in (H200, B200, B300, RTX, A100, CPU)] == \
+        [False, True, True, False, False, False]
+    env.setenv(capability.ENV_USE_DEEP_GEMM, "0")
+    assert not jax_dg.is_blackwell_deep_gemm_used(B200)
+
+
 def test_e8m0_used(env):
     assert jax_dg.is_deep_gemm_e8m0_used(H200) and jax_dg.is_deep_gemm_e8m0_used(B200)
     assert not jax_dg.is_deep_gemm_e8m0_used(CPU)

@@ -19,19 +19,19 @@ INSTALL_HINT = (
     "or run the torch reference with JAX_DG_BACKEND=torch."
 )
 
-# Public name -> names to try, newest first (DeepGEMM renamed kernels across releases).
+# Public name -> names to try, newest first (DeepGEMM renamed kernels across releases). Only
+# DeepGEMM >= 2.0 names: 1.x kernels (gemm_fp8_fp8_bf16_nt, ...) take no `c`/`recipe` and want
+# scales already in TMA-aligned column-major layout, which these calls do not provide.
 NAMES: dict[str, tuple[str, ...]] = {
-    "fp8_gemm_nt": ("fp8_gemm_nt", "fp8_fp4_gemm_nt", "gemm_fp8_fp8_bf16_nt"),
+    "fp8_gemm_nt": ("fp8_gemm_nt", "fp8_fp4_gemm_nt"),
     "fp8_gemm_nn": ("fp8_gemm_nn", "fp8_fp4_gemm_nn"),
     "fp8_gemm_tn": ("fp8_gemm_tn", "fp8_fp4_gemm_tn"),
     "fp8_gemm_tt": ("fp8_gemm_tt", "fp8_fp4_gemm_tt"),
     "m_grouped_fp8_gemm_nt_contiguous": ("m_grouped_fp8_gemm_nt_contiguous",
-                                         "m_grouped_fp8_fp4_gemm_nt_contiguous",
-                                         "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"),
+                                         "m_grouped_fp8_fp4_gemm_nt_contiguous"),
     "m_grouped_fp8_gemm_nt_masked": ("m_grouped_fp8_gemm_nt_masked",
                                      "fp8_m_grouped_gemm_nt_masked",
-                                     "m_grouped_fp8_fp4_gemm_nt_masked",
-                                     "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
+                                     "m_grouped_fp8_fp4_gemm_nt_masked"),
     "get_mn_major_tma_aligned_tensor": ("get_mn_major_tma_aligned_tensor",
                                         "get_col_major_tma_aligned_tensor"),
     "get_mk_alignment_for_contiguous_layout": ("get_mk_alignment_for_contiguous_layout",
