@@ -413,6 +413,37 @@ def test_gpu_contiguous_matches_deep_gemm_from_torch(keys, fp8, g, expected_m, n
 
 
 @pytest.mark.gpu
+def test_gpu_contiguous_at_another_mk_alignment(keys):
+    """A layout padded to 64 under mk_alignment_scope(64): DeepGEMM is set to 64 when the op runs
+    (after the alignment went back to 128 in between) and matches deep_gemm from torch at 64."""
+    import deep_gemm
+    import torch
+    g, n, k = 4, 4096, 7168
+    ms = [100, 0, 37, 64]
+    layout_np = contiguous_layout(ms, alignment=64)
+    layout = jnp.asarray(layout_np)
+    x = jax.random.normal(keys(), (layout_np.shape[0], k), jnp.bfloat16)
+    w = jax.random.normal(keys(), (g, n, k), jnp.bfloat16)
+    a, b = cast_a(x), cast_b(w)
+    f = jax.jit(jax_dg.m_grouped_fp8_gemm_nt_contiguous)
+    prev = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    with jax_dg.mk_alignment_scope(64):
+        compiled = f.lower(a, b, layout).compile()  # traced at 64
+    assert deep_gemm.get_mk_alignment_for_contiguous_layout() == prev
+    d = jax.block_until_ready(compiled(a, b, layout))
+    valid = rows_of(layout_np)
+    assert float(device_diff(d[valid], contiguous_expected(x, w, layout_np)[valid])) < 1e-3
+    d_t = torch.empty((layout_np.shape[0], n), dtype=torch.bfloat16, device="cuda")
+    try:
+        deep_gemm.set_mk_alignment_for_contiguous_layout(64)
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(_torch_pair(a), _torch_pair(b), d_t, to_torch(layout))
+        torch.cuda.synchronize()
+    finally:
+        deep_gemm.set_mk_alignment_for_contiguous_layout(prev)
+    assert _equal_on(to_torch(layout) >= 0, d, d_t), "defined rows differ from deep_gemm's at alignment 64"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8,g,expected_m,n,k", [
     (True, 32, 192, 4096, 7168), (True, 6, 1024, 7168, 3072), (True, 32, 20, 4096, 2048),
     (False, 6, 1024, 4096, 4096),
