@@ -127,12 +127,13 @@ def missing_error(name: str) -> RuntimeError:
     return RuntimeError(f"jax_dg: DeepGEMM kernel `{name}` is unavailable: {where}. {INSTALL_HINT}")
 
 
-def arch_error(op, arch: str | None):
-    """The error for an op whose DeepGEMM kernel does not exist on `arch`."""
+def arch_error(op):
+    """The error for an op whose DeepGEMM kernel does not exist on this GPU."""
+    from jax_dg import capability
     from jax_dg.core.checks import UnsupportedArchError
     return UnsupportedArchError(
         f"jax_dg: `{op.name}` has a DeepGEMM kernel only on {', '.join(sorted(op.archs))}; "
-        f"this GPU is {arch}. Its reference runs anywhere: "
+        f"this GPU is {capability.device_arch()}. Its reference runs anywhere: "
         f"JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla (pure JAX).")
 
 
@@ -150,7 +151,7 @@ class Kernels(types.SimpleNamespace):
 def kernels_for(op) -> Kernels:
     from jax_dg import capability
     if capability.arch_family() not in op.archs:  # Op checks this while tracing; kept as a guard
-        raise arch_error(op, capability.device_arch())
+        raise arch_error(op)
     found = {}
     for name in op.kernels:
         fn = resolve(name)

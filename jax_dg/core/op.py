@@ -53,15 +53,13 @@ class Op:
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
         out_types = tuple(self.rule(*arrays, **static))
         backend = backends.requested()
-        if backend != "xla":  # no DeepGEMM kernel on this GPU: say so now, not when it runs
-            t = target()
-            if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in self.archs:
-                from jax_dg.backends.deep_gemm import arch_error
-                from jax_dg import capability
-                raise arch_error(self, capability.device_arch())
         if backend == "xla":
             outs = self.reference(*arrays, **static)
             return outs if isinstance(outs, tuple) else (outs,)
+        t = target()  # no DeepGEMM kernel on this GPU: say so now, not when it runs
+        if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in self.archs:
+            from jax_dg.backends.deep_gemm import arch_error
+            raise arch_error(self)
         present = "".join("0" if a is None else "1" for a in arrays)
         given = [a for a in arrays if a is not None]
         index = {n: i for i, n in enumerate(n for n, a in zip(self.args, arrays) if a is not None)}

@@ -131,12 +131,12 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     grouped_layout: int32 [M], the expert of each row, -1 for padding rows.
     Returns d bfloat16 [M, N].
 
-    Layout contract (DeepGEMM computes a block of A rows, A = get_mk_alignment_for_contiguous_layout(),
-    128 unless set, with the group of its first row): each group's rows are contiguous, start at
-    a multiple of A and are padded with -1 rows to a multiple of A (so M % A == 0); groups may
-    come in any order and may be empty. A is read while tracing and DeepGEMM is set to it when
-    the kernel runs. Rows of a
-    layout that breaks it are not computed as written. K % 16 == 0, N % 8 == 0.
+    Layout contract (DeepGEMM computes a block of A rows with the group of its first row, where
+    A = get_mk_alignment_for_contiguous_layout(), 128 unless set): each group's rows are
+    contiguous, start at a multiple of A and are padded with -1 rows to a multiple of A (so
+    M % A == 0); groups may come in any order and may be empty. A is read while tracing and
+    DeepGEMM is set to it when the kernel runs. Rows of a layout that breaks it are not
+    computed as written. K % 16 == 0, N % 8 == 0.
     clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d.
     clean=False: d straight from DeepGEMM; padding rows hold 0 or a[r] @ b[g].T for the group g
     of their block, and ids must lie in [-1, G).

@@ -13,7 +13,7 @@ import pytest
 import jax_dg
 from jax_dg import paged
 from jax_dg.ops import paged_mqa as ops
-from tests.conftest import digest, to_torch
+from tests.conftest import digest, same_bits, to_torch
 from tests.conftest import run as run_jit
 
 FP8 = jnp.float8_e4m3fn
@@ -577,12 +577,6 @@ def gpu_case(b, next_n, h, d=128, avg=4096, blk=64, seed=0, odd_width=False):
     return q, cache, w, jnp.asarray(lens), table, table.shape[1] * blk
 
 
-def bits_equal(a, b):
-    """Bitwise equality on the device (no large host transfers)."""
-    return bool(jnp.array_equal(jax.lax.bitcast_convert_type(a, jnp.uint32),
-                                jax.lax.bitcast_convert_type(b, jnp.uint32)))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("next_n", [1, 2])
 @pytest.mark.parametrize("h", [32, 64])
@@ -620,7 +614,7 @@ def test_gpu_matches_reference_and_deep_gemm_from_torch(b, h, next_n):
     vt = torch.arange(max_len, device="cuda")[None, :] < to_torch(lens).reshape(-1, 1)
     assert torch.equal(logits_t[vt].view(torch.int32), to_torch(out)[vt].view(torch.int32))
     for _ in range(20):
-        assert bits_equal(step(q, cache, w, lens, table)[1], out)
+        assert bool(same_bits(step(q, cache, w, lens, table)[1], out))
     assert digest(q, lens, table) == before
 
 
