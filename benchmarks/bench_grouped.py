@@ -28,7 +28,7 @@ import torch
 
 import deep_gemm
 import jax_dg
-from jax_dg.core.checks import align
+from jax_dg.contracts import align
 from jax_dg.reference.gemm import dequant
 
 N, K = 4096, 7168

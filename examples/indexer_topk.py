@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_dg  # noqa: E402
-from jax_dg import backends  # noqa: E402
+from jax_dg.core import device  # noqa: E402
 
 # Thresholds: DeepGEMM's own test bound for FP8 logits vs the dequantised reference, and top-k
 # agreement (indices may differ only where two scores tie to within rounding).
@@ -87,8 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20 if platform == "gpu" else 2)
     args = p.parse_args(argv)
 
-    backend = backends.requested()
-    concrete = backend if backend == "xla" else backends.resolve(backend, "cuda" if platform == "gpu" else platform)
+    concrete = device.target().backend
     print(f"indexer step: S={args.seq} queries x SK={args.keys} keys, H={args.heads}, D={args.dim}, "
           f"top-{args.topk} | {jax.devices()[0].device_kind}, backend {concrete}")
 

@@ -1,8 +1,9 @@
-"""`python -m jax_dg info`: what jax_dg sees here and what each op runs on.
+"""`python -m jax_dg info`: what jax_dg sees here and what each public function runs on.
 
 Reports the platform, jax/jaxlib/torch versions, the devices with their arch, where deep_gemm
-was found and its version (or why it was not), which ops run natively on DeepGEMM here and
-which fall back to a reference (and why), and DeepGEMM's JIT cache folder.
+was found and its version (or why it was not, with the install hint), for each function a user
+calls whether it runs natively on DeepGEMM here, runs a reference, or raises (and why), and
+DeepGEMM's JIT cache folder.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _version(module: str) -> str:
 
 
 def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple[str, str]:
-    """(what a call does here: "native", "reference" or "raises", why) for one registered op."""
+    """(what a call does here: "native", "reference" or "raises", why) for one Op record."""
     from jax_dg.backends import deep_gemm
     if backend == "xla":
         return "reference", "pure-JAX reference (JAX_DG_BACKEND=xla)"
@@ -36,30 +37,43 @@ def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple
                           f"{', '.join(sorted(op.archs))}); JAX_DG_BACKEND=torch or xla runs the reference")
     if deep_gemm.module() is None:
         return "raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}"
-    missing = [k for k in op.kernels if deep_gemm.resolve(k) is None]
+    missing = [s for s in op.symbols if deep_gemm.lookup(s) is None]
     if missing:
         return "raises", (f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
                           f"JAX_DG_BACKEND=torch or xla runs the reference")
-    names = []
-    for k in op.kernels:
-        fn = deep_gemm.resolve(k)
-        names.append(getattr(fn, "__name__", k))
-    return "native", "DeepGEMM: " + ", ".join(names)
+    names = [getattr(deep_gemm.lookup(s), "__name__", s) for s in op.symbols]
+    how = "DeepGEMM: " + ", ".join(names)
+    forms = [f"with `{arg}`: {', '.join(sorted(archs))} only" for arg, archs in op.arg_archs.items()
+             if family not in archs]
+    return "native", how + (f" ({'; '.join(forms)})" if forms else "")
 
 
-def _import_all_ops() -> list[str]:
-    """Imports every op module so that every op is registered; returns import failures."""
-    import importlib
-    import pkgutil
+_RANK = {"raises": 0, "reference": 1, "native": 2}
 
-    import jax_dg.ops
-    failures = []
-    for mod in pkgutil.iter_modules(jax_dg.ops.__path__):
-        try:
-            importlib.import_module(f"jax_dg.ops.{mod.name}")
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            failures.append(f"jax_dg.ops.{mod.name}: {type(e).__name__}: {e}")
-    return failures
+
+def function_status(fn, platform_name: str, family: str | None, backend: str) -> tuple[str, str, list]:
+    """(mode, why, op names) for a public function: its ops' least capable mode; "jax" for the
+    helpers that are plain jax.numpy (no custom call)."""
+    ops = getattr(fn, "__jax_dg_ops__", ())
+    if not ops:
+        return "jax", "pure JAX (no custom call)", []
+    found = [(op, *op_status(op, platform_name, family, backend)) for op in ops]
+    op, mode, how = min(found, key=lambda f: _RANK[f[1]])
+    if len(found) > 1 and mode == "native":
+        how = "DeepGEMM: " + ", ".join(h.removeprefix("DeepGEMM: ") for _, _, h in found)
+    return mode, how, [o.name for o in ops]
+
+
+def public_functions() -> list[tuple[str, Any]]:
+    """(name, function) of what a user calls: jax_dg's public callables and jax_dg.paged's."""
+    import jax_dg
+    out = []
+    for prefix, mod in (("", jax_dg), ("paged.", jax_dg.paged)):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if callable(obj) and not isinstance(obj, type):   # functions, jitted ones too
+                out.append((prefix + name, obj))
+    return out
 
 
 def collect() -> dict[str, Any]:
@@ -67,9 +81,10 @@ def collect() -> dict[str, Any]:
     import jax
 
     import jax_dg
-    from jax_dg import backends, capability
+    from jax_dg import capability
     from jax_dg.backends import deep_gemm
-    from jax_dg.core import bridge
+    from jax_dg.core import backend as selection
+    from jax_dg.core import device
 
     info: dict[str, Any] = {
         "jax_dg": getattr(jax_dg, "__version__", "unknown"),
@@ -86,13 +101,13 @@ def collect() -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         info["torch_cuda"] = None
     try:
-        info["requested_backend"] = backends.requested()
+        info["requested_backend"] = selection.requested()
     except ValueError as e:
         info["requested_backend"] = f"invalid ({e})"
     devices = []
     for dev in jax.devices():
         devices.append({"id": dev.id, "platform": dev.platform, "kind": dev.device_kind,
-                        "arch": capability.device_arch(dev), "family": capability.arch_family(dev),
+                        "arch": device.arch(dev), "family": device.family(dev),
                         "deep_gemm_supported": capability.is_deep_gemm_supported(dev)})
     info["devices"] = devices
     dg = deep_gemm.module()
@@ -105,17 +120,15 @@ def collect() -> dict[str, Any]:
     info["jit_cache_dir"] = os.environ.get("DG_JIT_CACHE_DIR")
     info["e8m0_used"] = capability.is_deep_gemm_e8m0_used()
     info["scale_format"] = capability.DeepGemmQuantScaleFMT.from_oracle().name
-    info["op_import_failures"] = _import_all_ops()
     first = jax.devices()[0]
-    family = capability.arch_family(first)
+    family = device.family(first)
     backend = info["requested_backend"]
-    ops = []
-    for name in sorted(n for n in bridge._OPS if not n.startswith("_")):  # "_": test-only ops
-        op = bridge._OPS[name]
-        mode, how = op_status(op, first.platform, family, backend)
-        ops.append({"name": name, "kernels": list(op.kernels), "archs": sorted(op.archs),
-                    "native": mode == "native", "mode": mode, "how": how})
-    info["ops"] = ops
+    functions = []
+    for name, fn in public_functions():
+        mode, how, ops = function_status(fn, first.platform, family, backend)
+        functions.append({"name": name, "ops": ops, "native": mode == "native", "mode": mode,
+                          "how": how})
+    info["functions"] = functions
     return info
 
 
@@ -134,15 +147,16 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"deep_gemm     {dg['version']} ({dg['module']}) at {dg['path']}")
     else:
         lines.append(f"deep_gemm     not found: {dg['why']}")
+        lines.append(f"              {dg['hint']}")
     lines.append(f"JIT cache     {info['jit_cache_dir'] or '(unset)'} (DG_JIT_CACHE_DIR)")
     lines.append(f"scales        {info['scale_format']} (E8M0 used: {'yes' if info['e8m0_used'] else 'no'})")
-    native = [o for o in info["ops"] if o["native"]]
-    lines.append(f"ops           {len(native)} of {len(info['ops'])} run natively on DeepGEMM here")
-    width = max((len(o["name"]) for o in info["ops"]), default=0)
-    for failure in info.get("op_import_failures", []):
-        lines.append(f"  (could not import {failure})")
-    for o in info["ops"]:
-        lines.append(f"  {o['name']:<{width}}  {o['mode']:<9}  {o['how']}")
+    kernels = [f for f in info["functions"] if f["mode"] != "jax"]
+    native = [f for f in kernels if f["native"]]
+    lines.append(f"functions     {len(native)} of {len(kernels)} kernel functions run natively on "
+                 f"DeepGEMM here; {len(info['functions']) - len(kernels)} helpers are pure JAX")
+    width = max((len(f["name"]) for f in info["functions"]), default=0)
+    for f in info["functions"]:
+        lines.append(f"  {f['name']:<{width}}  {f['mode']:<9}  {f['how']}")
     return "\n".join(lines)
 
 

@@ -18,6 +18,9 @@ import importlib.util
 import os
 from typing import Any
 
+from jax_dg.backends import deep_gemm
+from jax_dg.core.device import in_family, jax_device
+
 ENV_USE_DEEP_GEMM = "JAX_DG_USE_DEEP_GEMM"
 ENV_USE_DEEP_GEMM_E8M0 = "JAX_DG_USE_DEEP_GEMM_E8M0"
 
@@ -39,48 +42,6 @@ def _env_flag(name: str, default: bool = True) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
-def _device(device: Any = None):
-    import jax
-    if device is None:
-        return jax.devices()[0]
-    if isinstance(device, int):
-        return jax.devices()[device]
-    return device
-
-
-def device_capability(device: Any = None) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, None for CPU and other platforms."""
-    dev = _device(device)
-    if dev.platform != "gpu":
-        return None
-    cc = getattr(dev, "compute_capability", None)
-    try:
-        major, minor = str(cc).split(".")[:2]
-        return int(major), int(minor)
-    except (TypeError, ValueError):  # e.g. ROCm's "gfx942"
-        return None
-
-
-def device_arch(device: Any = None) -> str | None:
-    """'sm90', 'sm100', 'sm103', ... for a CUDA device; None elsewhere."""
-    cap = device_capability(device)
-    return None if cap is None else f"sm{cap[0]}{cap[1]}"
-
-
-def arch_family(device: Any = None) -> str | None:
-    """'sm90' (Hopper), 'sm100' (SM10x), 'sm120' (SM12x), else the arch; None off CUDA."""
-    cap = device_capability(device)
-    if cap is None:
-        return None
-    return {9: "sm90", 10: "sm100", 12: "sm120"}.get(cap[0], f"sm{cap[0]}{cap[1]}")
-
-
-def is_device_capability_family(family: int, device: Any = None) -> bool:
-    """vLLM's family test: family 100 matches SM100 and SM103 (major 10), 90 matches SM90."""
-    cap = device_capability(device)
-    return cap is not None and cap[0] == family // 10
-
-
 def has_deep_gemm() -> bool:
     """Whether a DeepGEMM package is installed (not imported): `deep_gemm`, or vLLM's copy."""
     if importlib.util.find_spec("deep_gemm") is not None:
@@ -93,7 +54,6 @@ def has_deep_gemm() -> bool:
 
 
 def _deep_gemm_importable() -> bool:
-    from jax_dg.backends import deep_gemm
     return deep_gemm.module() is not None
 
 
@@ -103,20 +63,19 @@ def is_deep_gemm_supported(device: Any = None) -> bool:
     another torch does not count; has_deep_gemm() only says one is installed)."""
     if not _env_flag(ENV_USE_DEEP_GEMM):
         return False
-    if not any(is_device_capability_family(f, device) for f in SUPPORTED_FAMILIES):
+    if not any(in_family(f, device) for f in SUPPORTED_FAMILIES):
         return False
     return _deep_gemm_importable()
 
 
 def _has_fp8_gemm_nt() -> bool:
-    from jax_dg.backends import deep_gemm
-    return deep_gemm.resolve("fp8_gemm_nt") is not None
+    return deep_gemm.lookup("fp8_gemm_nt") is not None
 
 
 def is_blackwell_deep_gemm_used(device: Any = None) -> bool:
     """True when DeepGEMM runs on `device` and it is a Blackwell-class GPU (major 10: SM100,
     SM103), as vLLM's oldest wrapper reports; supported as in is_deep_gemm_supported."""
-    return is_device_capability_family(100, device) and is_deep_gemm_supported(device)
+    return in_family(100, device) and is_deep_gemm_supported(device)
 
 
 def is_deep_gemm_e8m0_used(device: Any = None) -> bool:
@@ -130,7 +89,7 @@ _ORACLE_CACHE: dict[Any, "DeepGemmQuantScaleFMT"] = {}
 
 
 def _device_key(device: Any) -> Any:
-    dev = _device(device)
+    dev = jax_device(device)
     return (dev.platform, dev.id)
 
 
@@ -151,7 +110,7 @@ class DeepGemmQuantScaleFMT(enum.Enum):
                     and _has_fp8_gemm_nt())
         if not use_e8m0:
             _ORACLE_CACHE[key] = cls.FLOAT32
-        elif is_device_capability_family(100, device) or is_device_capability_family(120, device):
+        elif in_family(100, device) or in_family(120, device):
             _ORACLE_CACHE[key] = cls.UE8M0
         else:
             _ORACLE_CACHE[key] = cls.FLOAT32_CEIL_UE8M0
@@ -173,5 +132,5 @@ def should_auto_disable_deep_gemm(model_type: str | None, device: Any = None) ->
     DEEP_GEMM_EXCLUDED_MODEL_TYPES maps model types to the families where it is disabled."""
     if model_type is None:
         return False
-    return any(is_device_capability_family(family, device)
+    return any(in_family(family, device)
                for family in DEEP_GEMM_EXCLUDED_MODEL_TYPES.get(model_type, ()))

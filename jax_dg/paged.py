@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dg.core.checks import ArgumentError, Checker
-from jax_dg.quant import FP8, cast_with_scale, scale_for
-
-SCALE_BYTES = 4
+from jax_dg.reference.paged_mqa import SCALE_BYTES, split_kv_cache
+from jax_dg.reference.quant import FP8, cast_with_scale, scale_for
 
 __all__ = [
     "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
@@ -35,13 +34,25 @@ __all__ = [
 ]
 
 
-def _check_cache(ck: Checker, kv_cache, arg: str = "kv_cache") -> tuple[int, int, int]:
+def check_kv_cache(ck: Checker, kv_cache, arg: str = "kv_cache", *, d: int | None = None,
+                   block_sizes: tuple[int, ...] | None = None, where: str = "") -> tuple[int, int, int]:
+    """The one check of a paged cache's shape: uint8 [num_blocks, block_size, 1, D + 4] with
+    num_blocks >= 1, D > 0 (or q's D when given) and block_size in `block_sizes` (when given;
+    `where` names the architecture in the message). Returns (num_blocks, block_size, D)."""
     ck.ndim(kv_cache, arg, 4, "[num_blocks, block_size, 1, D + 4]")
     ck.dtype(kv_cache, arg, jnp.uint8)
     nb, blk, heads, dp4 = kv_cache.shape
     ck.that(heads == 1, arg, "must have one KV head: shape [num_blocks, block_size, 1, D + 4]",
             tuple(kv_cache.shape))
-    ck.that(dp4 > SCALE_BYTES, arg, "must have a last dim D + 4 with D > 0", tuple(kv_cache.shape))
+    if d is None:
+        ck.that(dp4 > SCALE_BYTES, arg, "must have a last dim D + 4 with D > 0", tuple(kv_cache.shape))
+    else:
+        ck.that(dp4 == d + SCALE_BYTES, arg, f"must have last dim D + 4 = {d + SCALE_BYTES} (D = {d} "
+                "from q; each token's 4 extra bytes are its scale)", tuple(kv_cache.shape))
+    if block_sizes is not None:
+        ck.that(blk in block_sizes, arg, f"must have a block size (dim 1) in {block_sizes}"
+                + (f" on {where}" if where else ""), blk)
+    ck.that(nb >= 1, arg, "must have at least one block", tuple(kv_cache.shape))
     return nb, blk, dp4 - SCALE_BYTES
 
 
@@ -69,12 +80,8 @@ def unpack_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False,
     """Inverse of `pack_kv_cache`: (values [num_blocks, block_size, D] of `value_dtype`
     (float8_e4m3fn, or int8 for packed MXFP4), float32 scales [num_blocks, block_size],
     or int32 packed UE8M0 with `mx_scales`)."""
-    nb, blk, d = _check_cache(Checker("unpack_kv_cache"), kv_cache)
-    flat = kv_cache.reshape(nb, blk * (d + SCALE_BYTES))
-    values = jax.lax.bitcast_convert_type(flat[:, :blk * d].reshape(nb, blk, d), value_dtype)
-    scales = jax.lax.bitcast_convert_type(flat[:, blk * d:].reshape(nb, blk, SCALE_BYTES),
-                                          jnp.int32 if mx_scales else jnp.float32)
-    return values, scales
+    check_kv_cache(Checker("unpack_kv_cache"), kv_cache)
+    return split_kv_cache(kv_cache, mx_scales=mx_scales, value_dtype=value_dtype)
 
 
 def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -10,6 +10,8 @@ another rank -- are not routed) become either
 * the masked layout of `m_grouped_*_gemm_nt_masked`: [G, max_m, ...] with `masked_m` int32
   [G] valid rows per expert (assignments beyond max_m are dropped and counted).
 
+The mk alignment (DeepGEMM's BLOCK_M cap for contiguous layouts) is configured here too.
+
 Within an expert, rows keep token order (then slot order). `permute_*` gathers the token rows
 (padding rows are 0, as DeepGEMM's tests feed them), `combine_*` scatters the GEMM output back:
 out[t] = sum_k topk_weights[t, k] * y[row of (t, k)], accumulated in float32.
@@ -17,12 +19,109 @@ out[t] = sum_k topk_weights[t, k] * y[row of (t, k)], accumulated in float32.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import Checker, align
+from jax_dg.backends import deep_gemm
+from jax_dg.contracts import LEGACY_MK_ALIGNMENT, align, cdiv
+from jax_dg.core import device
+from jax_dg.core.checks import ArgumentError, Checker
+
+
+# --- M/K alignment of the contiguous grouped layout ------------------------------------------
+
+# The alignment set through jax_dg (None: DeepGEMM's own, else the legacy 128). It is a
+# jit-cache-sensitive context: layouts and the contiguous ops read it while tracing, so a
+# function traced under one alignment is traced again under another instead of reusing stale
+# padding.
+_mk_alignment = jax.make_user_context(default_value=None)
+
+
+def _dg(name: str):
+    return deep_gemm.lookup(name)
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """The row alignment of each group in m-grouped contiguous layouts: the value set through
+    jax_dg (`set_mk_alignment_for_contiguous_layout`, `mk_alignment_scope`), else DeepGEMM's
+    when deep_gemm imports, else 128 (DeepGEMM's legacy value). An int, as DeepGEMM returns
+    (vLLM's wrapper returns [value, value])."""
+    if _mk_alignment.value is not None:
+        return _mk_alignment.value
+    fn = _dg("get_mk_alignment_for_contiguous_layout")
+    return int(fn()) if fn is not None else LEGACY_MK_ALIGNMENT
+
+
+def _checked_alignment(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ArgumentError(f"set_mk_alignment_for_contiguous_layout: `value` must be a positive "
+                            f"int, got {value!r}")
+    return value
+
+
+def _set_deep_gemm_alignment(value: int) -> None:
+    fn = _dg("set_mk_alignment_for_contiguous_layout")
+    if fn is not None:
+        fn(value)
+
+
+def set_mk_alignment_for_contiguous_layout(value: int) -> None:
+    """Sets the alignment: DeepGEMM's BLOCK_M cap for m-grouped contiguous GEMMs. Group padding
+    must match the kernel's BLOCK_M: jax_dg's layouts and contiguous ops trace with this value
+    (functions traced before are traced again), and each contiguous op sets DeepGEMM to the
+    value it was traced with before its kernel runs. DeepGEMM's own global is set too, for
+    torch code in the same process."""
+    value = _checked_alignment(value)
+    _mk_alignment.set_global(value)
+    _set_deep_gemm_alignment(value)
+
+
+@contextlib.contextmanager
+def mk_alignment_scope(value: int):
+    """The alignment for the block (functions traced inside use it); restored on exit."""
+    value = _checked_alignment(value)
+    prev_dg = _dg("get_mk_alignment_for_contiguous_layout")
+    prev_dg = int(prev_dg()) if prev_dg is not None else None
+    with _mk_alignment(value):
+        _set_deep_gemm_alignment(value)
+        try:
+            yield
+        finally:
+            if prev_dg is not None:
+                _set_deep_gemm_alignment(prev_dg)
+
+
+def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None,
+                                                       num_groups: int | None = None) -> int:
+    """The alignment DeepGEMM recommends for a grouped call. `expected_m` is the total routed
+    rows (tokens x topk) when `num_groups` (experts on this rank) is given, else per group.
+
+    With deep_gemm: its own answer (older builds take only the per-group m: it is computed as
+    ceil(expected_m / num_groups), as vLLM's wrapper does). Without: DeepGEMM's table for the
+    default device's family: SM100 256; SM120 64 when the per-group m <= 64, else 128; SM90,
+    other GPUs and CPU 128.
+    """
+    if num_groups is not None and num_groups <= 0:
+        raise ArgumentError(f"get_theoretical_mk_alignment_for_contiguous_layout: `num_groups` must be "
+                            f"positive, got {num_groups}")
+    fn = _dg("get_theoretical_mk_alignment_for_contiguous_layout")
+    if fn is not None:
+        if num_groups is None:
+            return int(fn(expected_m))
+        try:
+            return int(fn(expected_m, num_groups))
+        except TypeError:
+            return int(fn(None if expected_m is None else cdiv(expected_m, num_groups)))
+    per_group = expected_m if num_groups is None or expected_m is None else cdiv(expected_m, num_groups)
+    family = device.family()
+    if family == "sm100":
+        return 256
+    if family == "sm120":
+        return 64 if per_group is not None and per_group <= 64 else 128
+    return LEGACY_MK_ALIGNMENT
 
 
 class ContiguousLayout(NamedTuple):
@@ -73,7 +172,6 @@ def contiguous_layout(topk_idx: jax.Array, num_experts: int, *, alignment: int |
     get_mk_alignment_for_contiguous_layout(); `max_rows` (static, a multiple of it) to
     max_contiguous_rows(...). With a smaller max_rows, rows past it are dropped: row_index -1
     (compare num_rows with max_rows to detect it)."""
-    from jax_dg.layout import get_mk_alignment_for_contiguous_layout
     ck = Checker("contiguous_layout")
     g = _check_topk(ck, topk_idx, num_experts)
     a = ck.static_int(get_mk_alignment_for_contiguous_layout() if alignment is None else alignment,

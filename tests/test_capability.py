@@ -1,21 +1,15 @@
-"""Capability oracles: per-device arch, env switches, the scale-format oracle, the model table."""
+"""Capability oracles: per device, env switches, the scale-format oracle, the model table."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 
 import jax_dg
 from jax_dg import capability
+from jax_dg.core import device
 
 
-def gpu(cc: str, id: int = 0):
-    return types.SimpleNamespace(platform="gpu", compute_capability=cc, id=id, device_kind="fake")
-
-
-CPU = types.SimpleNamespace(platform="cpu", id=0, device_kind="cpu")
-H200, B200, B300, RTX, A100 = gpu("9.0", 0), gpu("10.0", 1), gpu("10.3", 2), gpu("12.0", 3), gpu("8.0", 4)
+from tests.core.test_device import A100, B200, B300, CPU, H200, RTX
 
 
 @pytest.fixture
@@ -28,16 +22,6 @@ def env(monkeypatch):
     capability.DeepGemmQuantScaleFMT.clear_oracle_cache()
     yield monkeypatch
     capability.DeepGemmQuantScaleFMT.clear_oracle_cache()
-
-
-def test_arch_per_device():
-    assert capability.device_arch(H200) == "sm90" and capability.arch_family(H200) == "sm90"
-    assert capability.device_arch(B300) == "sm103" and capability.arch_family(B300) == "sm100"
-    assert capability.arch_family(RTX) == "sm120" and capability.arch_family(A100) == "sm80"
-    assert capability.device_arch(CPU) is None and capability.arch_family(CPU) is None
-    assert capability.device_capability(gpu("gfx942")) is None
-    assert capability.is_device_capability_family(100, B300)
-    assert not capability.is_device_capability_family(100, H200)
 
 
 def test_supported_per_device(env):
@@ -97,6 +81,6 @@ def test_real_devices_of_this_process():
     for dev in jax.devices():
         supported = jax_dg.is_deep_gemm_supported(dev)
         if dev.platform != "gpu":
-            assert not supported and capability.device_arch(dev) is None
+            assert not supported and device.arch(dev) is None
     assert jax_dg.is_deep_gemm_supported() == jax_dg.is_deep_gemm_supported(0)
     assert isinstance(jax_dg.has_deep_gemm(), bool)

@@ -5,29 +5,37 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jax_dg
 from jax_dg import __main__ as cli
 from jax_dg.core import bridge
 
 
-def test_collect_lists_every_registered_op_with_its_resolution():
+def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
     info = cli.collect()
-    names = {o["name"] for o in info["ops"]}
-    assert {"fp8_gemm_nt", "bf16_mega_gate", "mega_mhc"} <= names
-    assert names == {n for n in bridge._OPS if not n.startswith("_")}
-    assert not info["op_import_failures"]
-    gate = next(o for o in info["ops"] if o["name"] == "bf16_mega_gate")
-    assert gate["archs"] == ["sm100"] and gate["kernels"] == ["bf16_mega_gate"]
+    names = {f["name"] for f in info["functions"]}
+    assert {"fp8_gemm_nt", "mqa_logits", "paged_mqa_logits", "bf16_mega_gate", "mega_mhc",
+            "per_token_cast_to_fp8", "paged.pack_kv_cache"} <= names
+    assert not [n for n in names if n.endswith("_varlen") or n.startswith("_")]   # internal records
+    assert names <= set(jax_dg.__all__) | {f"paged.{n}" for n in jax_dg.paged.__all__}
+    # every registered op is reachable from some public function
+    exposed = {op for f in info["functions"] for op in f["ops"]}
+    assert exposed == {n for n in bridge.registered_ops() if not n.startswith("_")}
+    gate = next(f for f in info["functions"] if f["name"] == "bf16_mega_gate")
+    assert gate["ops"] == ["bf16_mega_gate"]
+    assert next(f for f in info["functions"] if f["name"] == "calc_diff")["mode"] == "jax"
     for key in ("jax", "jaxlib", "torch", "platform", "devices", "deep_gemm", "jit_cache_dir"):
         assert key in info
     if info["default_backend"] == "cpu":
-        assert not any(o["native"] for o in info["ops"])
-        assert {o["mode"] for o in info["ops"]} == {"reference"}
-        assert all("torch reference" in o["how"] for o in info["ops"])
+        kernels = [f for f in info["functions"] if f["ops"]]
+        assert not any(f["native"] for f in kernels)
+        assert {f["mode"] for f in kernels} == {"reference"}
+        assert all("torch reference" in f["how"] for f in kernels)
         assert info["devices"][0]["arch"] is None
 
 
 def test_op_status_reasons():
-    op = bridge._OPS["bf16_mega_gate"]
+    ops = bridge.registered_ops()
+    op = ops["bf16_mega_gate"]
     mode, how = cli.op_status(op, "gpu", "sm90", "auto")
     assert mode == "raises" and "UnsupportedArchError" in how and "needs sm100" in how
     assert cli.op_status(op, "gpu", "sm100", "xla") == ("reference", "pure-JAX reference (JAX_DG_BACKEND=xla)")
@@ -35,11 +43,20 @@ def test_op_status_reasons():
     assert "torch reference" in cli.op_status(op, "cpu", None, "auto")[1]
 
 
+def test_a_function_runs_as_its_least_capable_op():
+    mode, how, names = cli.function_status(jax_dg.paged_mqa_logits, "gpu", "sm100", "torch")
+    assert mode == "reference" and set(names) == {"fp8_fp4_paged_mqa_logits",
+                                                  "get_paged_mqa_logits_metadata"}
+    assert cli.function_status(jax_dg.fp8_gemm_tn, "gpu", "sm90", "auto")[0] == "raises"
+
+
 def test_main_prints_the_report(capsys):
     assert cli.main([]) == 0
     out = capsys.readouterr().out
     assert "jax_dg" in out and "deep_gemm" in out and "DG_JIT_CACHE_DIR" in out
-    assert "bf16_mega_gate" in out and "run natively on DeepGEMM here" in out
+    assert "bf16_mega_gate" in out and "mqa_logits" in out and "run natively on DeepGEMM here" in out
+    if "not found" in out.split("deep_gemm", 2)[-1].splitlines()[0]:
+        assert "Install DeepGEMM" in out   # the install hint
 
 
 def test_python_dash_m_info():

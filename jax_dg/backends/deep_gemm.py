@@ -100,7 +100,7 @@ def version() -> str | None:
     return None if dg is None else getattr(dg, "__version__", "unknown")
 
 
-def resolve(name: str) -> Callable | None:
+def lookup(name: str) -> Callable | None:
     """The callable for kernel `name` in the installed DeepGEMM, adapted to the newest API."""
     dg = module()
     if dg is None:
@@ -127,35 +127,23 @@ def missing_error(name: str) -> RuntimeError:
     return RuntimeError(f"jax_dg: DeepGEMM kernel `{name}` is unavailable: {where}. {INSTALL_HINT}")
 
 
-def arch_error(op):
-    """The error for an op whose DeepGEMM kernel does not exist on this GPU."""
-    from jax_dg import capability
-    from jax_dg.core.checks import UnsupportedArchError
-    return UnsupportedArchError(
-        f"jax_dg: `{op.name}` has a DeepGEMM kernel only on {', '.join(sorted(op.archs))}; "
-        f"this GPU is {capability.device_arch()}. Its reference runs anywhere: "
-        f"JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla (pure JAX).")
+class Namespace(types.SimpleNamespace):
+    """The resolved DeepGEMM symbols one op needs (what its run function receives as `dg`)."""
 
-
-class Kernels(types.SimpleNamespace):
-    """The resolved DeepGEMM kernels one op needs (what `Op.call` receives)."""
-
-    def __getattr__(self, name: str) -> Any:  # kernels outside op.kernels, resolved on demand
-        fn = resolve(name)
+    def __getattr__(self, name: str) -> Any:  # symbols outside the op's list, resolved on demand
+        fn = lookup(name)
         if fn is None:
             raise missing_error(name)
         setattr(self, name, fn)
         return fn
 
 
-def kernels_for(op) -> Kernels:
-    from jax_dg import capability
-    if capability.arch_family() not in op.archs:  # Op checks this while tracing; kept as a guard
-        raise arch_error(op)
+def namespace(symbols: tuple[str, ...]) -> Namespace:
+    """A namespace with `symbols` resolved now (a missing one raises, naming it)."""
     found = {}
-    for name in op.kernels:
-        fn = resolve(name)
+    for name in symbols:
+        fn = lookup(name)
         if fn is None:
             raise missing_error(name)
         found[name] = fn
-    return Kernels(**found)
+    return Namespace(**found)

@@ -58,7 +58,7 @@ class Checker:
         self.shape(x, arg, shape, rule)
 
     def pair(self, x: Any, arg: str, second_optional: bool = False) -> tuple[Any, Any]:
-        """Unpacks the seed's (values, scales) tuple convention."""
+        """Unpacks vLLM's wrapper's (values, scales) tuple convention."""
         if not isinstance(x, (tuple, list)) or len(x) != 2:
             self.fail(arg, "must be a (values, scales) pair", type(x).__name__)
         if x[1] is None and not second_optional:
@@ -72,11 +72,3 @@ class Checker:
         if minimum is not None:
             self.that(v >= minimum, arg, f"must be >= {minimum}", v)
         return v
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def align(a: int, b: int) -> int:
-    return cdiv(a, b) * b

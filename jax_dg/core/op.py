@@ -1,18 +1,22 @@
-"""One op = one declaration; registration, lowering and backend dispatch derive from it.
+"""One op = one declaration; registration, lowering, arch gating and dispatch derive from it.
 
-    fp8_gemm_nt = Op(
+    FP8_GEMM_NT = Op(
         name="fp8_gemm_nt",
-        args=("a", "sfa", "b", "sfb", "c"),          # array arguments, None allowed
-        rule=_rule,          # (*avals, **static) -> output ShapeDtypeStructs; raises ArgumentError
-        call=_call,          # (kernels, *in_tensors, *out_tensors, **static): runs the kernel
-        reference=_ref,      # (*arrays, **static) -> outputs, in jax.numpy (the test oracle)
-        kernels=("fp8_gemm_nt",),                  # DeepGEMM symbols `call` uses
-        aliases={"c": 0},                          # input that XLA may donate to output 0
+        args=("a", "sfa", "b", "sfb", "c"),   # array arguments, None allowed (absent)
+        rule=_rule,          # trace time: (*avals, **static) -> output ShapeDtypeStructs;
+                             #   raises ArgumentError naming the argument
+        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, **static)
+        reference=_ref,      # (*arrays, **static) -> outputs in jax.numpy (oracle, backend "xla")
+        symbols=("fp8_gemm_nt",),             # DeepGEMM symbols `run` uses
+        aliases={"c": 0},                     # input that XLA may donate to output 0
+        archs=frozenset({"sm90", "sm100"}),   # where DeepGEMM has the kernel
+        arg_archs={},                         # arguments whose kernel form needs other archs
     )
 
-`call` is written against DeepGEMM's own API: `kernels` is either the resolved deep_gemm
-module (CUDA) or jax_dg's torch reference of the same contract (CPU, or any device when
-asked), so one function serves both. Absent optional arguments reach it as None.
+`run` is written against DeepGEMM's own API: `dg` is either the resolved DeepGEMM symbols
+(CUDA) or jax_dg's torch reference of the same contract (CPU, or any device when asked), so one
+function serves both. Absent optional arguments reach it as None; static attributes arrive as
+they were given (tuples stay tuples).
 """
 
 from __future__ import annotations
@@ -22,12 +26,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from jax_dg import backends
-from jax_dg.core import bridge
-from jax_dg.core.target import target
-
-
-ALL_ARCHS = frozenset({"sm90", "sm100"})  # where DeepGEMM runs
+from jax_dg import contracts
+from jax_dg.core import backend as selection
+from jax_dg.core import bridge, device
+from jax_dg.core.checks import UnsupportedArchError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,36 +37,63 @@ class Op:
     name: str
     args: tuple[str, ...]
     rule: Callable[..., Sequence[jax.ShapeDtypeStruct]]
-    call: Callable[..., None]
+    run: Callable[..., None]
     reference: Callable[..., Any]
-    kernels: tuple[str, ...] = ()
+    symbols: tuple[str, ...] = ()
     aliases: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    # How jax.vmap maps over the custom call; "sequential" is always correct.
-    vmap_method: str = "sequential"
-    # Ops whose DeepGEMM kernel exists only on some architectures: {"sm100"}.
-    archs: frozenset[str] = ALL_ARCHS
-    target: str = ""
+    archs: frozenset[str] = contracts.DEEP_GEMM_ARCHS
+    arg_archs: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
 
     def __post_init__(self):
-        object.__setattr__(self, "target", bridge.register_op(self))
+        object.__setattr__(self, "ffi_name", bridge.register_op(self))
+
+    def needs(self, given: Sequence[str] = ()) -> frozenset[str]:
+        """The architectures with a DeepGEMM kernel for a call that passes `given` arguments."""
+        archs = self.archs
+        for arg in given:
+            archs = archs & self.arg_archs.get(arg, archs)
+        return archs
+
+    def gate(self, given: Sequence[str] = ()) -> None:
+        """Raises UnsupportedArchError while tracing when DeepGEMM is the target and has no
+        kernel for this call on the target GPU. Op.__call__ runs it; a public function whose
+        own checks depend on the architecture runs it first."""
+        t = device.target()
+        needs = self.needs(given)
+        if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in needs:
+            with_args = [a for a in given if a in self.arg_archs]
+            form = f" with `{'`, `'.join(with_args)}`" if with_args else ""
+            raise UnsupportedArchError(
+                f"jax_dg: `{self.name}`{form} has a DeepGEMM kernel only on "
+                f"{', '.join(sorted(needs))}; this GPU is {device.arch() or t.arch}. Its reference "
+                "runs anywhere: JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla "
+                "(pure JAX).")
 
     def __call__(self, *arrays: Any, **static: Any):
         if len(arrays) != len(self.args):
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
         out_types = tuple(self.rule(*arrays, **static))
-        backend = backends.requested()
+        backend = selection.requested()
         if backend == "xla":
             outs = self.reference(*arrays, **static)
             return outs if isinstance(outs, tuple) else (outs,)
-        t = target()  # no DeepGEMM kernel on this GPU: say so now, not when it runs
-        if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in self.archs:
-            from jax_dg.backends.deep_gemm import arch_error
-            raise arch_error(self)
+        given = [n for n, a in zip(self.args, arrays) if a is not None]
+        self.gate(given)
         present = "".join("0" if a is None else "1" for a in arrays)
-        given = [a for a in arrays if a is not None]
-        index = {n: i for i, n in enumerate(n for n, a in zip(self.args, arrays) if a is not None)}
+        index = {n: i for i, n in enumerate(given)}
         aliases = {index[n]: o for n, o in self.aliases.items() if n in index}
         site = bridge.encode_site(self.name, backend, present, static)
-        fn = jax.ffi.ffi_call(self.target, out_types, input_output_aliases=aliases,
-                              vmap_method=self.vmap_method)
-        return tuple(fn(*given, site=site))
+        # vmap: one call per batch element until batching rules derive from the record.
+        fn = jax.ffi.ffi_call(self.ffi_name, out_types, input_output_aliases=aliases,
+                              vmap_method="sequential")
+        return tuple(fn(*(a for a in arrays if a is not None), site=site))
+
+
+def exposes(*ops: Op):
+    """Marks a public function as the user-facing form of `ops` (`python -m jax_dg info` reports
+    what each public function runs on from them)."""
+    def mark(fn):
+        fn.__jax_dg_ops__ = ops
+        return fn
+    return mark

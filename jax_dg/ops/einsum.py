@@ -6,8 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import Checker, cdiv
-from jax_dg.core.op import Op
+from jax_dg.contracts import cdiv
+from jax_dg.core.checks import Checker
+from jax_dg.core.op import Op, exposes
 from jax_dg.reference import einsum as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -67,31 +68,32 @@ def _einsum_rule(a, b, c, *, expr, out_dtype, use_cublaslt):
     return [jax.ShapeDtypeStruct(d_shape, out_dtype)]
 
 
-def _einsum_call(k, a, b, c, d, *, expr, out_dtype, use_cublaslt):
+def _einsum_run(dg, a, b, c, d, *, expr, out_dtype, use_cublaslt):
     if expr == "bmk,bnk->mn" and out_dtype == "float32":
         # DeepGEMM accumulates into a float32 d in place (c must be d): d = c (or 0) + sum.
         if c is None:
             d.zero_()
         elif c.data_ptr() != d.data_ptr():
             d.copy_(c)
-        k.einsum(expr, a, b, d, c=d)
+        dg.einsum(expr, a, b, d, c=d)
     elif use_cublaslt:
-        k.einsum(expr, a, b, d, use_cublaslt=True)
+        dg.einsum(expr, a, b, d, use_cublaslt=True)
     else:
-        k.einsum(expr, a, b, d)
+        dg.einsum(expr, a, b, d)
 
 
 EINSUM = Op(
     name="einsum",
     args=("a", "b", "c"),
     rule=_einsum_rule,
-    call=_einsum_call,
+    run=_einsum_run,
     reference=ref.einsum,
-    kernels=("einsum",),
+    symbols=("einsum",),
     aliases={"c": 0},
 )
 
 
+@exposes(EINSUM)
 def einsum(expr: str, a, b, *, c=None, out_dtype=None, use_cublaslt: bool = False) -> jax.Array:
     """DeepGEMM's BF16 einsum, float32 accumulation.
 
@@ -131,20 +133,21 @@ def _fp8_einsum_rule(a, sfa, b, sfb, *, expr):
     return [jax.ShapeDtypeStruct((bb, h, d), BF16)]
 
 
-def _fp8_einsum_call(k, a, sfa, b, sfb, d, *, expr):
-    k.fp8_einsum(expr, (a, sfa), (b, sfb), d)
+def _fp8_einsum_run(dg, a, sfa, b, sfb, d, *, expr):
+    dg.fp8_einsum(expr, (a, sfa), (b, sfb), d)
 
 
 FP8_EINSUM = Op(
     name="fp8_einsum",
     args=("a", "sfa", "b", "sfb"),
     rule=_fp8_einsum_rule,
-    call=_fp8_einsum_call,
+    run=_fp8_einsum_run,
     reference=ref.fp8_einsum,
-    kernels=("fp8_einsum",),
+    symbols=("fp8_einsum",),
 )
 
 
+@exposes(FP8_EINSUM)
 def fp8_einsum(expr: str, a, b) -> jax.Array:
     """DeepGEMM's fp8_einsum for 'bhr,hdr->bhd' (recipe (1, 128, 128)), float32 accumulation.
 

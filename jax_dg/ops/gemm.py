@@ -1,12 +1,15 @@
-"""Dense GEMMs: FP8 with DeepSeek's block scaling."""
+"""Dense GEMMs: FP8 with DeepSeek's block scaling, BF16 (DeepGEMM and cuBLASLt), in the four
+operand storages nt / nn / tn / tt."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import Checker, cdiv
-from jax_dg.core.op import Op
+from jax_dg import contracts
+from jax_dg.contracts import cdiv
+from jax_dg.core.checks import Checker
+from jax_dg.core.op import Op, exposes
 from jax_dg.reference import gemm as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -24,90 +27,20 @@ def infer_recipe(n: int, sfb_shape) -> tuple[int, int, int]:
     return RECIPE_CHANNEL if n > 1 and tuple(sfb_shape)[:1] == (n,) else RECIPE_BLOCK
 
 
-def _fp8_gemm_nt_rule(a, sfa, b, sfb, c, *, out_dtype, recipe):
-    ck = Checker("fp8_gemm_nt")
-    recipe = tuple(recipe)
-    ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)} on SM90", recipe)
-    gm, gn, gk = recipe
-    ck.ndim(a, "a[0]", 2, "[M, K]")
-    ck.dtype(a, "a[0]", FP8)
-    ck.ndim(b, "b[0]", 2, "[N, K]")
-    ck.dtype(b, "b[0]", FP8)
-    m, k = a.shape
-    n = b.shape[0]
-    ck.that(b.shape[1] == k, "b[0]", f"must be [N, K] with a[0]'s K = {k}", tuple(b.shape))
-    ck.that(k % 16 == 0, "a[0]", "must have K % 16 == 0 (16-byte rows for TMA)", k)
-    ck.tensor(sfa, "a[1]", [F32], (cdiv(m, gm), cdiv(k, gk)), f"[ceil(M/{gm}), ceil(K/{gk})]")
-    ck.tensor(sfb, "b[1]", [F32], (cdiv(n, gn), cdiv(k, gk)), f"[ceil(N/{gn}), ceil(K/{gk})]")
-    ck.that(out_dtype == OUT_DTYPE[recipe], "out_dtype",
-            f"must be {OUT_DTYPE[recipe]} with recipe {recipe}", out_dtype)
-    ck.that(n % (8 if out_dtype == "bfloat16" else 4) == 0, "b[0]",
-            f"must have N % {8 if out_dtype == 'bfloat16' else 4} == 0 (16-byte rows of d)", n)
-    if recipe == RECIPE_CHANNEL:
-        ck.that(c is not None, "c", f"is required with recipe {recipe} (d = c + a @ b.T)")
-    if c is not None:
-        ck.that(recipe == RECIPE_CHANNEL, "c", f"needs recipe {RECIPE_CHANNEL} (per-channel b "
-                "scales, float32 d); DeepGEMM's per-block kernel does not accumulate")
-        ck.tensor(c, "c", [F32], (m, n), "[M, N]")
-    return [jax.ShapeDtypeStruct((m, n), out_dtype)]
-
-
-def _fp8_gemm_nt_call(k, a, sfa, b, sfb, c, d, *, out_dtype, recipe):
-    k.fp8_gemm_nt((a, sfa), (b, sfb), d, c=c, recipe=tuple(recipe))
-
-
-def _fp8_gemm_nt_reference(a, sfa, b, sfb, c, *, out_dtype, recipe):
-    return ref.fp8_gemm_nt(a, sfa, b, sfb, c, out_dtype=out_dtype, recipe=tuple(recipe))
-
-
-FP8_GEMM_NT = Op(
-    name="fp8_gemm_nt",
-    args=("a", "sfa", "b", "sfb", "c"),
-    rule=_fp8_gemm_nt_rule,
-    call=_fp8_gemm_nt_call,
-    reference=_fp8_gemm_nt_reference,
-    kernels=("fp8_gemm_nt",),
-    aliases={"c": 0},
-)
-
-
-def fp8_gemm_nt(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
-    """d = a @ b.T (+ c) on FP8 operands with DeepSeek's block scaling (DeepGEMM fp8_gemm_nt).
-
-    a: (values float8_e4m3fn [M, K], scales float32 [M, ceil(K/128)])      per token (1 x 128)
-    b: (values float8_e4m3fn [N, K], scales float32 [ceil(N/128), ceil(K/128)])  per block
-       or scales float32 [N, ceil(K/128)]: per channel, recipe (1, 1, 128)
-    c: float32 [M, N] accumulator, required by (and only by) the per-channel recipe; XLA may
-       donate its buffer to d.
-    out_dtype: bfloat16 for the per-block recipe, float32 for the per-channel one (the default
-       follows the recipe; other choices are rejected, as DeepGEMM's SM90 kernels do).
-    recipe: (gran_m, gran_n, gran_k); inferred from b's scale shape when None.
-    Returns d [M, N]. K must be a multiple of 16, N of 8 (bfloat16 d) or 4 (float32 d).
-    """
-    ck = Checker("fp8_gemm_nt")
-    av, sfa = ck.pair(a, "a")
-    bv, sfb = ck.pair(b, "b")
-    ck.array(bv, "b[0]")
-    ck.array(sfb, "b[1]")
-    recipe = tuple(int(r) for r in recipe) if recipe is not None else infer_recipe(bv.shape[0], sfb.shape)
-    out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
-    (d,) = FP8_GEMM_NT(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=list(recipe))
-    return d
-
-
-# --- Operand layouts -------------------------------------------------------------------------
-# DeepGEMM names a GEMM by its operands' layouts: d[M, N] = op(a) @ op(b), where a is "n" = [M, K]
-# or "t" = [K, M], and b is "t" = [N, K] or "n" = [K, N]. JAX arrays have no strides, so here the
-# letters say how the arrays are stored (row-major); a quantised operand's scales are laid out
-# like its values. The ops hand DeepGEMM the transposed torch views its API expects.
+# --- Operand storage -------------------------------------------------------------------------
+# DeepGEMM names a GEMM by how its operands are stored: d[M, N] = op(a) @ op(b), where a is
+# "n" = [M, K] or "t" = [K, M], and b is "t" = [N, K] or "n" = [K, N]. JAX arrays have no
+# strides, so here the letters say how the arrays are stored (row-major); a quantised operand's
+# scales are stored like its values. The ops hand DeepGEMM the transposed torch views its API
+# expects.
 
 BF16 = jnp.bfloat16
-LAYOUTS = ("nt", "nn", "tn", "tt")
+STORAGES = ("nt", "nn", "tn", "tt")
 
 
-def _layout(layout: str) -> tuple[bool, bool]:
-    """(a stored [K, M], b stored [K, N]) for a layout name."""
-    return layout[0] == "t", layout[1] == "n"
+def _transposed(storage: str) -> tuple[bool, bool]:
+    """(a stored [K, M], b stored [K, N]) for a storage name."""
+    return storage[0] == "t", storage[1] == "n"
 
 
 def _dims(shape, swapped: bool) -> tuple[int, int]:
@@ -123,9 +56,9 @@ def _grid_rule(swapped: bool, mn: str, k: str) -> str:
     return f"[{k}, {mn}]" if swapped else f"[{mn}, {k}]"
 
 
-def _check_operands(ck: Checker, a, b, layout: str, dtype) -> tuple[int, int, int]:
-    """Checks a and b (ranks, dtypes, matching K) in `layout`; returns (m, n, k)."""
-    a_t, b_n = _layout(layout)
+def _check_operands(ck: Checker, a, b, storage: str, dtype) -> tuple[int, int, int]:
+    """Checks a and b (ranks, dtypes, matching K) stored as `storage`; returns (m, n, k)."""
+    a_t, b_n = _transposed(storage)
     ck.ndim(a, "a[0]" if dtype == FP8 else "a", 2, _grid_rule(a_t, "M", "K"))
     ck.ndim(b, "b[0]" if dtype == FP8 else "b", 2, _grid_rule(b_n, "N", "K"))
     ck.dtype(a, "a[0]" if dtype == FP8 else "a", dtype)
@@ -137,20 +70,18 @@ def _check_operands(ck: Checker, a, b, layout: str, dtype) -> tuple[int, int, in
     return m, n, k
 
 
-# --- FP8 nn / tn / tt ------------------------------------------------------------------------
+# --- FP8: nt / nn / tn / tt ---------------------------------------------------------------------
 # On SM90 DeepGEMM's FP8 kernels read both operands K-major only; a row-major JAX array stored
-# [K, M] or [K, N] is MN-major, so these three run through DeepGEMM on SM100 only. On SM90 call
+# [K, M] or [K, N] is MN-major, so nn / tn / tt run through DeepGEMM on SM100 only. On SM90 call
 # fp8_gemm_nt on transposed arrays (XLA transposes them), or use JAX_DG_BACKEND=torch / xla.
 
-def _fp8_layout_rule(layout: str):
+def _fp8_rule(storage: str):
     def rule(a, sfa, b, sfb, c, *, out_dtype, recipe):
-        name = f"fp8_gemm_{layout}"
-        ck = Checker(name)
-        recipe = tuple(recipe)
-        ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)}", recipe)
+        ck = Checker(f"fp8_gemm_{storage}")
+        ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)} on SM90", recipe)
         gm, gn, gk = recipe
-        a_t, b_n = _layout(layout)
-        m, n, k = _check_operands(ck, a, b, layout, FP8)
+        a_t, b_n = _transposed(storage)
+        m, n, k = _check_operands(ck, a, b, storage, FP8)
         ck.that(k % 16 == 0, "a[0]", "must have K % 16 == 0 (16-byte rows for TMA)", k)
         ck.tensor(sfa, "a[1]", [F32], _grid(cdiv(m, gm), cdiv(k, gk), a_t),
                   _grid_rule(a_t, f"ceil(M/{gm})", f"ceil(K/{gk})"))
@@ -163,7 +94,7 @@ def _fp8_layout_rule(layout: str):
         ck.that(not a_t or m % 16 == 0, "a[0]", "stored [K, M] must have M % 16 == 0 (16-byte rows)", m)
         ck.that(not b_n or n % 16 == 0, "b[0]", "stored [K, N] must have N % 16 == 0 (16-byte rows)", n)
         ck.that(c is not None or recipe != RECIPE_CHANNEL, "c",
-                f"is required with recipe {recipe} (d = c + a @ b)")
+                f"is required with recipe {recipe} (d = c + a @ b.T)")
         if c is not None:
             ck.that(recipe == RECIPE_CHANNEL, "c", f"needs recipe {RECIPE_CHANNEL} (per-channel b "
                     "scales, float32 d); DeepGEMM's per-block kernel does not accumulate")
@@ -172,88 +103,100 @@ def _fp8_layout_rule(layout: str):
     return rule
 
 
-def _fp8_layout_call(layout: str):
-    def call(k, a, sfa, b, sfb, c, d, *, out_dtype, recipe):
-        getattr(k, f"fp8_gemm_{layout}")((a, sfa), (b, sfb), d, c=c, recipe=tuple(recipe))
-    return call
+def _fp8_run(storage: str):
+    name = f"fp8_gemm_{storage}"
+
+    def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe):
+        getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe)
+    return run
 
 
-def _fp8_layout_reference(layout: str):
-    a_t, b_n = _layout(layout)
+def _fp8_reference(storage: str):
+    a_t, b_n = _transposed(storage)
 
     def reference(a, sfa, b, sfb, c, *, out_dtype, recipe):
         if a_t:
             a, sfa = a.T, sfa.T
         if b_n:
             b, sfb = b.T, sfb.T
-        return ref.fp8_gemm_nt(a, sfa, b, sfb, c, out_dtype=out_dtype, recipe=tuple(recipe))
+        return ref.fp8_gemm_nt(a, sfa, b, sfb, c, out_dtype=out_dtype, recipe=recipe)
     return reference
 
 
 FP8_GEMM = {
-    layout: Op(
-        name=f"fp8_gemm_{layout}",
+    storage: Op(
+        name=f"fp8_gemm_{storage}",
         args=("a", "sfa", "b", "sfb", "c"),
-        rule=_fp8_layout_rule(layout),
-        call=_fp8_layout_call(layout),
-        reference=_fp8_layout_reference(layout),
-        kernels=(f"fp8_gemm_{layout}",),
+        rule=_fp8_rule(storage),
+        run=_fp8_run(storage),
+        reference=_fp8_reference(storage),
+        symbols=(f"fp8_gemm_{storage}",),
         aliases={"c": 0},
-        archs=frozenset({"sm100"}),  # SM90 reads FP8 operands K-major only (see above)
+        # SM90 reads FP8 operands K-major only (see above)
+        archs=contracts.DEEP_GEMM_ARCHS if storage == "nt" else frozenset({"sm100"}),
     )
-    for layout in ("nn", "tn", "tt")
+    for storage in STORAGES
 }
 
 
-def _fp8_gemm_layout(layout, a, b, c, out_dtype, recipe):
-    ck = Checker(f"fp8_gemm_{layout}")
-    av, sfa = ck.pair(a, "a")
-    bv, sfb = ck.pair(b, "b")
-    ck.ndim(bv, "b[0]", 2, _grid_rule(_layout(layout)[1], "N", "K"))
-    ck.ndim(sfb, "b[1]", 2, "scales")
-    b_n = _layout(layout)[1]
-    n = bv.shape[1] if b_n else bv.shape[0]
-    if recipe is None:
-        recipe = infer_recipe(n, sfb.shape[::-1] if b_n else sfb.shape)
-    recipe = tuple(int(r) for r in recipe)
-    out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
-    (d,) = FP8_GEMM[layout](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=list(recipe))
-    return d
+def _fp8_public(storage: str, doc: str):
+    a_t, b_n = _transposed(storage)
+    name = f"fp8_gemm_{storage}"
+
+    @exposes(FP8_GEMM[storage])
+    def fn(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
+        ck = Checker(name)
+        av, sfa = ck.pair(a, "a")
+        bv, sfb = ck.pair(b, "b")
+        ck.ndim(bv, "b[0]", 2, _grid_rule(b_n, "N", "K"))
+        ck.ndim(sfb, "b[1]", 2, "scales")
+        n = bv.shape[1] if b_n else bv.shape[0]
+        if recipe is None:
+            recipe = infer_recipe(n, sfb.shape[::-1] if b_n else sfb.shape)
+        recipe = tuple(int(r) for r in recipe)
+        out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
+        (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
+        return d
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
 
 
-def fp8_gemm_nn(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
-    """d = a @ b (+ c): fp8_gemm_nt with b stored [K, N] (DeepGEMM fp8_gemm_nn).
+fp8_gemm_nt = _fp8_public("nt", """d = a @ b.T (+ c) on FP8 operands with DeepSeek's block scaling (DeepGEMM fp8_gemm_nt).
+
+    a: (values float8_e4m3fn [M, K], scales float32 [M, ceil(K/128)])      per token (1 x 128)
+    b: (values float8_e4m3fn [N, K], scales float32 [ceil(N/128), ceil(K/128)])  per block
+       or scales float32 [N, ceil(K/128)]: per channel, recipe (1, 1, 128)
+    c: float32 [M, N] accumulator, required by (and only by) the per-channel recipe; XLA may
+       donate its buffer to d.
+    out_dtype: bfloat16 for the per-block recipe, float32 for the per-channel one (the default
+       follows the recipe; other choices are rejected, as DeepGEMM's SM90 kernels do).
+    recipe: (gran_m, gran_n, gran_k); inferred from b's scale shape when None.
+    Returns d [M, N]. K must be a multiple of 16, N of 8 (bfloat16 d) or 4 (float32 d).
+    """)
+fp8_gemm_nn = _fp8_public("nn", """d = a @ b (+ c): fp8_gemm_nt with b stored [K, N] (DeepGEMM fp8_gemm_nn).
 
     a: (values [M, K], scales [M, ceil(K/128)]); b: (values [K, N], scales [ceil(K/128),
     ceil(N/128)] per block, or [ceil(K/128), N] per channel with recipe (1, 1, 128) and c).
     DeepGEMM runs it on SM100; SM90's FP8 kernels read b K-major only, so there the call raises
     (use fp8_gemm_nt(a, (b.T, scales.T)), or JAX_DG_BACKEND=torch / xla). N % 16 == 0.
-    """
-    return _fp8_gemm_layout("nn", a, b, c, out_dtype, recipe)
-
-
-def fp8_gemm_tn(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
-    """d = a.T @ b (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [K, N] (scales
+    """)
+fp8_gemm_tn = _fp8_public("tn", """d = a.T @ b (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [K, N] (scales
     [ceil(K/128), ceil(N/128)], or [ceil(K/128), N] per channel). DeepGEMM fp8_gemm_tn; SM100
-    only (see fp8_gemm_nn). M % 16 == 0 and N % 16 == 0."""
-    return _fp8_gemm_layout("tn", a, b, c, out_dtype, recipe)
+    only (see fp8_gemm_nn). M % 16 == 0 and N % 16 == 0.""")
+fp8_gemm_tt = _fp8_public("tt", """d = a.T @ b.T (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [N, K] (scales
+    as in fp8_gemm_nt). DeepGEMM fp8_gemm_tt; SM100 only (see fp8_gemm_nn). M % 16 == 0.""")
 
 
-def fp8_gemm_tt(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
-    """d = a.T @ b.T (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [N, K] (scales
-    as in fp8_gemm_nt). DeepGEMM fp8_gemm_tt; SM100 only (see fp8_gemm_nn). M % 16 == 0."""
-    return _fp8_gemm_layout("tt", a, b, c, out_dtype, recipe)
+# --- BF16: DeepGEMM's kernels and cuBLASLt, in all four storages ------------------------------
+# DeepGEMM's SM90 BF16 kernel reads either operand K- or MN-major, so all four storages run.
 
-
-# --- BF16: DeepGEMM's kernels and cuBLASLt, in all four layouts ------------------------------
-# DeepGEMM's SM90 BF16 kernel reads either operand K- or MN-major, so all four layouts run.
-
-def _bf16_rule(name: str, layout: str, deep_gemm_kernel: bool):
-    a_t, b_n = _layout(layout)
+def _bf16_rule(name: str, storage: str, deep_gemm_kernel: bool):
+    a_t, b_n = _transposed(storage)
 
     def rule(a, b, c, *, out_dtype):
         ck = Checker(name)
-        m, n, k = _check_operands(ck, a, b, layout, BF16)
+        m, n, k = _check_operands(ck, a, b, storage, BF16)
         ck.that(out_dtype in ("bfloat16", "float32"), "out_dtype", "must be bfloat16 or float32",
                 out_dtype)
         if deep_gemm_kernel:
@@ -268,35 +211,35 @@ def _bf16_rule(name: str, layout: str, deep_gemm_kernel: bool):
     return rule
 
 
-def _bf16_call(name: str):
-    def call(k, a, b, c, d, *, out_dtype):
-        getattr(k, name)(a, b, d, c=c)
-    return call
+def _bf16_run(name: str):
+    def run(dg, a, b, c, d, *, out_dtype):
+        getattr(dg, name)(a, b, d, c=c)
+    return run
 
 
-def _bf16_reference(layout: str):
-    a_t, b_n = _layout(layout)
+def _bf16_reference(storage: str):
+    a_t, b_n = _transposed(storage)
 
     def reference(a, b, c, *, out_dtype):
         return ref.bf16_gemm_nt(a.T if a_t else a, b.T if b_n else b, c, out_dtype=out_dtype)
     return reference
 
 
-def _bf16_op(family: str, layout: str) -> Op:
-    name = f"{family}_{layout}"
-    return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, layout, family == "bf16_gemm"),
-              call=_bf16_call(name), reference=_bf16_reference(layout), kernels=(name,),
+def _bf16_op(family: str, storage: str) -> Op:
+    name = f"{family}_{storage}"
+    return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, storage, family == "bf16_gemm"),
+              run=_bf16_run(name), reference=_bf16_reference(storage), symbols=(name,),
               aliases={"c": 0})
 
 
-BF16_GEMM = {layout: _bf16_op("bf16_gemm", layout) for layout in LAYOUTS}
-CUBLASLT_GEMM = {layout: _bf16_op("cublaslt_gemm", layout) for layout in LAYOUTS}
+BF16_GEMM = {storage: _bf16_op("bf16_gemm", storage) for storage in STORAGES}
+CUBLASLT_GEMM = {storage: _bf16_op("cublaslt_gemm", storage) for storage in STORAGES}
 
 
-def _bf16_gemm(ops, layout, a, b, c, out_dtype):
+def _bf16_gemm(ops, storage, a, b, c, out_dtype):
     if out_dtype is None:
         out_dtype = c.dtype if c is not None and hasattr(c, "dtype") else BF16
-    (d,) = ops[layout](a, b, c, out_dtype=jnp.dtype(out_dtype).name)
+    (d,) = ops[storage](a, b, c, out_dtype=jnp.dtype(out_dtype).name)
     return d
 
 
@@ -308,13 +251,14 @@ _BF16_DOC = """d = {math} (+ c) on bfloat16 operands, float32 accumulation ({ker
 _DG_EXTRA = "\n    DeepGEMM's SM90 contract: K % 64 == 0, N % 8 == 0 (N % 4 for float32 d), and an operand\n    stored MN-major ([K, M] / [K, N]) needs M % 8 / N % 8."
 
 
-def _bf16_public(family: str, layout: str):
-    a_t, b_n = _layout(layout)
-    name = f"{family}_{layout}"
+def _bf16_public(family: str, storage: str):
+    a_t, b_n = _transposed(storage)
+    name = f"{family}_{storage}"
     ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
 
+    @exposes(ops[storage])
     def fn(a, b, *, c=None, out_dtype=None) -> jax.Array:
-        return _bf16_gemm(ops, layout, a, b, c, out_dtype)
+        return _bf16_gemm(ops, storage, a, b, c, out_dtype)
     fn.__name__ = fn.__qualname__ = name
     math = f"{'a.T' if a_t else 'a'} @ {'b' if b_n else 'b.T'}"
     fn.__doc__ = _BF16_DOC.format(

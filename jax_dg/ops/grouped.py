@@ -14,9 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import Checker, cdiv
-from jax_dg.core.op import Op
-from jax_dg.layout import get_mk_alignment_for_contiguous_layout
+from jax_dg.contracts import cdiv
+from jax_dg.core.checks import Checker
+from jax_dg.core.op import Op, exposes
+from jax_dg.routing import get_mk_alignment_for_contiguous_layout
 from jax_dg.reference import grouped as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -71,33 +72,33 @@ def _contiguous_rule(name: str, fp8: bool):
     return rule
 
 
-def _use_alignment(k, mk_alignment):
+def _use_alignment(dg, mk_alignment):
     """DeepGEMM picks BLOCK_M <= its global alignment when the kernel runs: make it the value
     the layout was traced with (a getter call when it already is)."""
-    if k.get_mk_alignment_for_contiguous_layout() != mk_alignment:
-        k.set_mk_alignment_for_contiguous_layout(mk_alignment)
+    if dg.get_mk_alignment_for_contiguous_layout() != mk_alignment:
+        dg.set_mk_alignment_for_contiguous_layout(mk_alignment)
 
 
-def _fp8_contiguous_call(k, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment):
-    _use_alignment(k, mk_alignment)
-    k.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, grouped_layout)
+def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment):
+    _use_alignment(dg, mk_alignment)
+    dg.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, grouped_layout)
 
 
 M_GROUPED_FP8_CONTIGUOUS = Op(
     name="m_grouped_fp8_gemm_nt_contiguous",
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
     rule=_contiguous_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
-    call=_fp8_contiguous_call,
+    run=_fp8_contiguous_run,
     reference=ref.m_grouped_fp8_gemm_nt_contiguous,
-    kernels=("m_grouped_fp8_gemm_nt_contiguous",),
+    symbols=("m_grouped_fp8_gemm_nt_contiguous",),
 )
 
 _bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
-def _bf16_contiguous_call(k, a, b, grouped_layout, d, *, mk_alignment):
-    _use_alignment(k, mk_alignment)
-    k.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
+def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment):
+    _use_alignment(dg, mk_alignment)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
@@ -105,9 +106,9 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
     args=("a", "b", "grouped_layout"),
     rule=lambda a, b, grouped_layout, *, mk_alignment: _bf16_contiguous_rule(
         a, None, b, None, grouped_layout, mk_alignment=mk_alignment),
-    call=_bf16_contiguous_call,
+    run=_bf16_contiguous_run,
     reference=ref.m_grouped_bf16_gemm_nt_contiguous,
-    kernels=("m_grouped_bf16_gemm_nt_contiguous",),
+    symbols=("m_grouped_bf16_gemm_nt_contiguous",),
 )
 
 
@@ -122,6 +123,7 @@ def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
     return d
 
 
+@exposes(M_GROUPED_FP8_CONTIGUOUS)
 def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True) -> jax.Array:
     """MoE experts on contiguous rows: d[r] = a[r] @ b[grouped_layout[r]].T (DeepGEMM
     m_grouped_fp8_gemm_nt_contiguous).
@@ -149,6 +151,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
                        grouped_layout, clean)
 
 
+@exposes(M_GROUPED_BF16_CONTIGUOUS)
 def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True) -> jax.Array:
     """BF16 m_grouped_fp8_gemm_nt_contiguous: a bfloat16 [M, K], b bfloat16 [G, N, K],
     grouped_layout int32 [M] (-1 = padding) -> d bfloat16 [M, N], float32 accumulation
@@ -170,24 +173,24 @@ def _masked_rule(name: str, fp8: bool):
     return rule
 
 
-def _fp8_masked_call(k, a, sfa, b, sfb, masked_m, d, *, expected_m):
-    k.m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)
+def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m):
+    dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)
 
 
 M_GROUPED_FP8_MASKED = Op(
     name="m_grouped_fp8_gemm_nt_masked",
     args=("a", "sfa", "b", "sfb", "masked_m"),
     rule=_masked_rule("m_grouped_fp8_gemm_nt_masked", fp8=True),
-    call=_fp8_masked_call,
+    run=_fp8_masked_run,
     reference=ref.m_grouped_fp8_gemm_nt_masked,
-    kernels=("m_grouped_fp8_gemm_nt_masked",),
+    symbols=("m_grouped_fp8_gemm_nt_masked",),
 )
 
 _bf16_masked_rule = _masked_rule("m_grouped_bf16_gemm_nt_masked", fp8=False)
 
 
-def _bf16_masked_call(k, a, b, masked_m, d, *, expected_m):
-    k.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)
+def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m):
+    dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)
 
 
 M_GROUPED_BF16_MASKED = Op(
@@ -195,9 +198,9 @@ M_GROUPED_BF16_MASKED = Op(
     args=("a", "b", "masked_m"),
     rule=lambda a, b, masked_m, *, expected_m: _bf16_masked_rule(a, None, b, None, masked_m,
                                                                   expected_m=expected_m),
-    call=_bf16_masked_call,
+    run=_bf16_masked_run,
     reference=ref.m_grouped_bf16_gemm_nt_masked,
-    kernels=("m_grouped_bf16_gemm_nt_masked",),
+    symbols=("m_grouped_bf16_gemm_nt_masked",),
 )
 
 
@@ -214,6 +217,7 @@ def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     return d
 
 
+@exposes(M_GROUPED_FP8_MASKED)
 def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool = True) -> jax.Array:
     """MoE experts on per-expert batches: d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T
     (DeepGEMM m_grouped_fp8_gemm_nt_masked, old name fp8_m_grouped_gemm_nt_masked).
@@ -238,6 +242,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
 fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked  # DeepGEMM's (and vLLM's) old name
 
 
+@exposes(M_GROUPED_BF16_MASKED)
 def m_grouped_bf16_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool = True) -> jax.Array:
     """BF16 m_grouped_fp8_gemm_nt_masked: a bfloat16 [G, Mmax, K], b bfloat16 [G, N, K],
     masked_m int32 [G] -> d bfloat16 [G, Mmax, N] (DeepGEMM m_grouped_bf16_gemm_nt_masked).
@@ -267,23 +272,24 @@ def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
     return [jax.ShapeDtypeStruct((g, m, n), F32)]
 
 
-def _k_grouped_call(k, a, sfa, b, sfb, ks_tensor, c, d, *, ks):
+def _k_grouped_run(dg, a, sfa, b, sfb, ks_tensor, c, d, *, ks):
     # DeepGEMM reads the scales as [M, sum(ks)/128] MN-major: the transposed views of ours.
-    k.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c)
+    dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c)
 
 
 K_GROUPED_FP8 = Op(
     name="k_grouped_fp8_gemm_nt_contiguous",
     args=("a", "sfa", "b", "sfb", "ks_tensor", "c"),
     rule=_k_grouped_rule,
-    call=_k_grouped_call,
+    run=_k_grouped_run,
     reference=ref.k_grouped_fp8_gemm_nt_contiguous,
-    kernels=("k_grouped_fp8_gemm_nt_contiguous",),
+    symbols=("k_grouped_fp8_gemm_nt_contiguous",),
     aliases={"c": 0},
     archs=frozenset({"sm90"}),
 )
 
 
+@exposes(K_GROUPED_FP8)
 def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     """Grouped weight gradients: d[g] = c[g] + A_g @ B_g.T, with group g's K = ks[g] (DeepGEMM
     k_grouped_fp8_gemm_nt_contiguous; its SM90 kernel, recipe (1, 1, 128)).

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op
+from jax_dg.core.op import Op, exposes
 from jax_dg.reference import hyperconnection as ref
 
 F32 = jnp.float32
@@ -31,20 +31,21 @@ def _rule(x, fn, *, num_split):
     return [jax.ShapeDtypeStruct((s, m, n), F32), jax.ShapeDtypeStruct((s, m), F32)]
 
 
-def _call(k, x, fn, d, sqr_sum, *, num_split):
-    k.tf32_hc_prenorm_gemm(x, fn, d, sqr_sum, num_split)
+def _run(dg, x, fn, d, sqr_sum, *, num_split):
+    dg.tf32_hc_prenorm_gemm(x, fn, d, sqr_sum, num_split)
 
 
 TF32_HC_PRENORM_GEMM = Op(
     name="tf32_hc_prenorm_gemm",
     args=("x", "fn"),
     rule=_rule,
-    call=_call,
+    run=_run,
     reference=ref.tf32_hc_prenorm_gemm,
-    kernels=("tf32_hc_prenorm_gemm",),
+    symbols=("tf32_hc_prenorm_gemm",),
 )
 
 
+@exposes(TF32_HC_PRENORM_GEMM)
 def tf32_hc_prenorm_gemm(x, fn, num_split: int | None = None) -> tuple[jax.Array, jax.Array]:
     """out = x.float() @ fn.T (TF32 tensor cores) and sqrsum = x.float().square().sum(-1).
 

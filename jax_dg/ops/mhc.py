@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import Checker, align
-from jax_dg.core.op import Op
+from jax_dg.contracts import align
+from jax_dg.core.checks import Checker
+from jax_dg.core.op import Op, exposes
 from jax_dg.reference import mhc as ref
 
 BF16 = jnp.bfloat16
@@ -67,7 +68,7 @@ def _rule(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales,
     return outs
 
 
-def _call(k, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
+def _run(dg, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
           rmsnorm_weight, *outs, hc_mult, hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps,
           num_sinkhorn_iters, rmsnorm_eps, rmsnorm_scale, with_bf16, sf_layout, shared_sf_block_m):
     outs = list(outs)
@@ -90,7 +91,7 @@ def _call(k, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
             y_gemm_sf = view
         else:
             y_shared_sf = view
-    k.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
+    dg.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
                comb_res_mix=comb_res_mix, fn=fn, mix_scales=mix_scales, mix_bases=mix_bases,
                hc_mult=hc_mult, hc_norm_eps=hc_norm_eps, hc_pre_eps=hc_pre_eps,
                hc_post_scale=hc_post_scale, sinkhorn_eps=sinkhorn_eps,
@@ -106,13 +107,14 @@ MEGA_MHC = Op(
     args=("x", "residual", "shifted_prev_mix", "post_mix", "comb_res_mix", "fn", "mix_scales",
           "mix_bases", "rmsnorm_weight"),
     rule=_rule,
-    call=_call,
+    run=_run,
     reference=ref.mega_mhc,
-    kernels=("mega_mhc",),
+    symbols=("mega_mhc",),
     archs=frozenset({"sm100"}),
 )
 
 
+@exposes(MEGA_MHC)
 def mega_mhc(x, residual, post_mix, comb_res_mix, fn, mix_scales, mix_bases, rmsnorm_weight, *,
              hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps, num_sinkhorn_iters, rmsnorm_eps,
              rmsnorm_scale, hc_mult=4, shifted_prev_mix=None, y_bf16=True, fp8_sf_layout=None,

@@ -7,8 +7,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op
+from jax_dg.core.op import Op, exposes
 from jax_dg.reference import moe_gate as ref
 
 BF16 = jnp.bfloat16
@@ -84,21 +85,20 @@ def _rule(x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
     return outs
 
 
-def _call(k, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
+def _run(dg, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
           to_physical_map, logical_count, unmapped_in, topk_idx, topk_weights, unmapped_out=None,
           *, num_topk, scoring_func, routed_scaling_factor, ep_rank, num_shared_experts, index_dtype):
-    import torch
-    idx64 = topk_idx if topk_idx.dtype == torch.int64 else torch.empty(
-        topk_idx.shape, dtype=torch.int64, device=topk_idx.device)
+    # DeepGEMM writes int64 indices; int32 outputs (JAX's default) go through a temporary.
+    idx64 = topk_idx if topk_idx.dtype == rt.int64 else topk_idx.to(rt.int64)
     unmapped = None
     if unmapped_out is not None:  # DeepGEMM reads (fixed rows) and writes this buffer
-        if unmapped_out.dtype == torch.int64:
+        if unmapped_out.dtype == rt.int64:
             if unmapped_out.data_ptr() != unmapped_in.data_ptr():
                 unmapped_out.copy_(unmapped_in)
             unmapped = unmapped_out
         else:
-            unmapped = unmapped_in.to(torch.int64)
-    k.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
+            unmapped = unmapped_in.to(rt.int64)
+    dg.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
                      routed_scaling_factor, ep_rank, scoring_func=scoring_func, mask=mask, bias=bias,
                      image_bias=image_bias, image_token_mask=image_token_mask,
                      fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
@@ -115,14 +115,15 @@ BF16_MEGA_GATE = Op(
     args=("x", "weight", "mask", "bias", "image_bias", "image_token_mask", "fix_routing_mask",
           "to_physical_map", "logical_count", "unmapped_topk_idx"),
     rule=_rule,
-    call=_call,
+    run=_run,
     reference=ref.bf16_mega_gate,
-    kernels=("bf16_mega_gate",),
+    symbols=("bf16_mega_gate",),
     aliases={"unmapped_topk_idx": 2},
     archs=frozenset({"sm100"}),
 )
 
 
+@exposes(BF16_MEGA_GATE)
 def bf16_mega_gate(x, weight, num_topk, *, scoring_func, routed_scaling_factor, ep_rank,
                    bias=None, image_bias=None, image_token_mask=None, fix_routing_mask=None,
                    unmapped_topk_idx=None, mask=None, num_shared_experts=0, to_physical_map=None,
@@ -138,7 +139,7 @@ def bf16_mega_gate(x, weight, num_topk, *, scoring_func, routed_scaling_factor, 
         image_token_mask (bool [T]) use image_bias instead of bias. Given together.
     fix_routing_mask: bool [T]; those tokens keep the routing read from unmapped_topk_idx
         ([T, num_topk] expert ids, required with it); their weights are recomputed.
-    DeepGEMM extras (the seed wrapper passes none of them): mask bool [T] (False rows get index -1,
+    DeepGEMM extras (vLLM's wrapper passes none of them): mask bool [T] (False rows get index -1,
         weight 0), num_shared_experts S in {1, 2} (use_shared_as_routed: S extra slots with index
         E + s and weight 1), to_physical_map int32 [E + S, dup] with logical_count int32 [E + S]
         (expert replication; token t picks duplicate (ep_rank + 23333 t) % count).

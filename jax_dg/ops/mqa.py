@@ -12,13 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import Checker, align, cdiv
-from jax_dg.core.op import Op
-from jax_dg.core.target import target
-from jax_dg.ops.cleaning import columns, masked_copy, where_valid
+from jax_dg import contracts
+from jax_dg.contracts import SPARSE_BLOCKS, SPARSE_SPLIT_KV
+from jax_dg.core import runtime as rt
+from jax_dg.core.checks import Checker
+from jax_dg.core import device
+from jax_dg.core.op import Op, exposes
 from jax_dg.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
-from jax_dg.reference.paged_mqa import SPARSE_SPLIT_KV
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -50,21 +51,21 @@ def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logit
     return [jax.ShapeDtypeStruct((m, max_seqlen_k or n), F32)]
 
 
-def _mqa_logits_call(k, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits):
-    # Keywords from the 6th argument on: an era-C binding takes max_seqlen_k 6th, era B takes
+def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits):
+    # Keywords from the 6th argument on: DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes
     # clean_logits there (a positional int would silently turn into clean_logits=True).
     if not max_seqlen_k:
-        logits = k.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ke,
+        logits = dg.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ke,
                                       clean_logits=clean_logits, max_seqlen_k=0)
         out.copy_(logits)
         return
     # DeepGEMM does not check max_seqlen_k >= ke - ks (a longer row is written into the next
     # one): clamp ke so a row keeps its first max_seqlen_k positions.
     lens = (ke - ks).clamp_(max=max_seqlen_k)
-    logits = k.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ks + lens,
+    logits = dg.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ks + lens,
                                   clean_logits=False, max_seqlen_k=max_seqlen_k)
     if clean_logits:  # the tail t >= ke - ks is never written: -inf, fused with the copy
-        masked_copy(out, logits, lens)
+        rt.masked_copy(out, logits, lens)
     else:
         out.copy_(logits)
 
@@ -77,9 +78,9 @@ FP8_MQA_LOGITS = Op(
     name="fp8_fp4_mqa_logits",
     args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke"),
     rule=_mqa_logits_rule,
-    call=_mqa_logits_call,
+    run=_mqa_logits_run,
     reference=_mqa_logits_reference,
-    kernels=("fp8_fp4_mqa_logits",),
+    symbols=("fp8_fp4_mqa_logits",),
 )
 
 
@@ -104,6 +105,7 @@ def _q_values_and_weights(ck: Checker, q, weights):
     return qv, fold_q_scale(weights, qs)
 
 
+@exposes(FP8_MQA_LOGITS)
 def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int | None = None,
                clean_logits: bool = True) -> jax.Array:
     """The lightning indexer's scores (DeepGEMM fp8_fp4_mqa_logits), usable inside jax.jit.
@@ -144,40 +146,22 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
     return logits
 
 
+@exposes(FP8_MQA_LOGITS)
 def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k, *,
                        clean_logits: bool = True) -> jax.Array:
-    """The seed's name and call shape (vLLM's `fp8_fp4_mqa_logits`): `mqa_logits` with
-    `max_seqlen_k` given positionally (None for the full [M, N] form). Unlike the seed's
-    DeepGEMM, the compressed tail is -inf unless clean_logits=False."""
+    """vLLM's wrapper's name and call shape (`fp8_fp4_mqa_logits`): `mqa_logits` with
+    `max_seqlen_k` given positionally (None for the full [M, N] form). Unlike DeepGEMM's, the
+    compressed tail is -inf unless clean_logits=False."""
     return mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k=max_seqlen_k,
                       clean_logits=clean_logits)
 
 
 # --- sparse (DeepGEMM >= 2.8, SM100 only) ---------------------------------------------------------
 #
-# The metadata buffer jax_dg hands around: int32 [ks (M) | ke (M) | block indices (M * nmsb)],
-# padded to 256 bytes, then the backend's own metadata (DeepGEMM's opaque schedule on SM100; the
-# torch reference keeps the same three arrays). The first part lets every backend produce
-# fully defined output: invalid columns are set to -inf from it.
-
-SPARSE_BLOCKS = (8, 16)
-META_ALIGN = 256
-
-
-def _sparse_header_bytes(m: int, nmsb: int) -> int:
-    return align(4 * m * (2 + nmsb), META_ALIGN)
-
-
-def deep_gemm_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
-    """Size of DeepGEMM's contiguous sparse metadata (upstream layout/sparse_mqa_logits.cuh)."""
-    per_split = SPARSE_SPLIT_KV[qk_dtype] // sbk
-    s_max = cdiv(m, 2) * cdiv(2 * nmsb, per_split)
-    return 16 + s_max * (16 + per_split * 8) + align(s_max, num_sms) * 16
-
-
-def sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
-    backend = max(deep_gemm_sparse_metadata_bytes(m, nmsb, sbk, qk_dtype, num_sms), 4 * m * (2 + nmsb))
-    return _sparse_header_bytes(m, nmsb) + backend
+# The metadata buffer jax_dg hands around is described in jax_dg.contracts (non-paged form:
+# header [ks | ke | block indices], then DeepGEMM's opaque schedule on SM100, or the same three
+# vectors again from the references). The header lets every backend produce fully defined
+# output: invalid columns are set to -inf from it.
 
 
 def _check_sparse_block_kv(ck: Checker, sbk) -> int:
@@ -210,57 +194,43 @@ def _sparse_meta_rule(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_
     nmsb = indices.shape[1]
     ck.that(nmsb > 0 and nmsb % 4 == 0 and nmsb <= 4096, "sparse_kv_block_indices",
             "must have num_max_sparse_blocks columns, a multiple of 4 in [4, 4096]", nmsb)
-    size = sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms)
+    size = contracts.sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms, paged=False)
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
 
-def _sparse_meta_call(k, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
-    import torch
+def _sparse_meta_run(dg, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
     m, nmsb = indices.shape
-    head = out[:4 * m * (2 + nmsb)].view(torch.int32)
-    head[:m].copy_(ks)
-    head[m:2 * m].copy_(ke)
-    head[2 * m:].copy_(indices.reshape(-1))
-    out[4 * m * (2 + nmsb):_sparse_header_bytes(m, nmsb)].zero_()
-    meta = k.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, getattr(torch, qk_dtype),
-                                            sparse_block_kv, use_unaligned_ks=True)
-    meta = meta.contiguous().view(torch.uint8).reshape(-1)
-    region = out[_sparse_header_bytes(m, nmsb):]
-    if meta.numel() > region.numel():
-        raise RuntimeError(
-            f"jax_dg: get_sparse_mqa_logits_metadata returned {meta.numel()} bytes; jax_dg sized "
-            f"{region.numel()} (DeepGEMM's layout changed? see deep_gemm_sparse_metadata_bytes)")
-    region[:meta.numel()].copy_(meta)
-    if meta.numel() < region.numel():
-        region[meta.numel():].zero_()
+    meta = dg.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, rt.dtype(qk_dtype),
+                                             sparse_block_kv, use_unaligned_ks=True)
+    rt.write_sparse_metadata(out, (ks, ke, indices), meta, m, nmsb, paged=False,
+                             what="get_sparse_mqa_logits_metadata")
 
 
 def _sparse_meta_reference(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
     m, nmsb = indices.shape
-    size = sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms)
-    head = jnp.concatenate([ks, ke, indices.reshape(-1)])
-    head = jax.lax.bitcast_convert_type(head, jnp.uint8).reshape(-1)
-    # The backend's part: the same three arrays (as the torch reference writes), then zeros.
-    header = _sparse_header_bytes(m, nmsb)
-    return jnp.concatenate([head, jnp.zeros((header - head.shape[0],), jnp.uint8), head,
-                            jnp.zeros((size - header - head.shape[0],), jnp.uint8)])
+    size = contracts.sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms, paged=False)
+    # The backend's part: the same three vectors (as the torch reference writes them).
+    again = jnp.concatenate([ks, ke, indices.reshape(-1)])
+    return ref.pack_sparse_header([ks, ke, indices], m, nmsb, paged=False, backend_part=again,
+                                  size=size)
 
 
 GET_SPARSE_MQA_LOGITS_METADATA = Op(
     name="get_sparse_mqa_logits_metadata",
     args=("cu_seqlen_ks", "cu_seqlen_ke", "sparse_kv_block_indices"),
     rule=_sparse_meta_rule,
-    call=_sparse_meta_call,
+    run=_sparse_meta_run,
     reference=_sparse_meta_reference,
-    kernels=("get_sparse_mqa_logits_metadata",),
+    symbols=("get_sparse_mqa_logits_metadata",),
     archs=frozenset({"sm100"}),
 )
 
 
+@exposes(GET_SPARSE_MQA_LOGITS_METADATA)
 def get_sparse_mqa_logits_metadata(cu_seqlen_ks, cu_seqlen_ke, num_kv_tokens: int,
                                    sparse_kv_block_indices, qk_dtype, sparse_block_kv: int, *,
                                    num_sms: int | None = None) -> jax.Array:
-    """Metadata for `fp8_fp4_sparse_mqa_logits` (uint8, 1-D; opaque), the seed's call shape.
+    """Metadata for `fp8_fp4_sparse_mqa_logits` (uint8, 1-D; opaque), the call shape of vLLM's wrapper.
 
     cu_seqlen_ks, cu_seqlen_ke: int32 [M], each row's key range in the packed K.
     num_kv_tokens: static int, N (keys in the packed K).
@@ -282,16 +252,10 @@ def get_sparse_mqa_logits_metadata(cu_seqlen_ks, cu_seqlen_ke, num_kv_tokens: in
         num_kv_tokens=ck.static_int(num_kv_tokens, "num_kv_tokens", minimum=0),
         qk_dtype=qk_dtype_name(ck, qk_dtype),
         sparse_block_kv=_check_sparse_block_kv(ck, sparse_block_kv),
-        num_sms=ck.static_int(target().num_sms if num_sms is None else num_sms, "num_sms", minimum=1),
+        num_sms=ck.static_int(device.target().num_sms if num_sms is None else num_sms, "num_sms", minimum=1),
     )
     (meta,) = GET_SPARSE_MQA_LOGITS_METADATA(cu_seqlen_ks, cu_seqlen_ke, sparse_kv_block_indices, **static)
     return meta
-
-
-def _sparse_head(meta, m: int, nmsb: int):
-    """(ks, ke, indices) back from the metadata's first part."""
-    head = jax.lax.bitcast_convert_type(meta[:4 * m * (2 + nmsb)].reshape(-1, 4), I32)
-    return head[:m], head[m:2 * m], head[2 * m:].reshape(m, nmsb)
 
 
 def _sparse_rule(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks, sparse_block_kv,
@@ -313,40 +277,28 @@ def _sparse_rule(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks
     ck.ndim(metadata, "metadata", 1, "uint8 [bytes] from get_sparse_mqa_logits_metadata")
     ck.dtype(metadata, "metadata", jnp.uint8)
     nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
-    ck.that(metadata.shape[0] > _sparse_header_bytes(m, nmsb), "metadata",
+    ck.that(metadata.shape[0] > contracts.sparse_header_bytes(m, nmsb, paged=False), "metadata",
             f"must come from get_sparse_mqa_logits_metadata with M = {m} rows and "
             f"num_max_sparse_blocks = {nmsb}", tuple(metadata.shape))
     return [jax.ShapeDtypeStruct((m, nmsb * sbk), jnp.bfloat16)]
 
 
-def _sparse_call(k, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
-                 sparse_block_kv, clean_logits):
-    import torch
-    m, h = weights.shape
-    nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
-    if h % 8:  # bf16 weight rows must start 16-byte aligned: pad the row stride
-        padded = torch.zeros((m, align(h, 8)), dtype=weights.dtype, device=weights.device)
-        padded[:, :h].copy_(weights)
-        weights = padded[:, :h]
-    logits = k.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), weights,
-                                         metadata[_sparse_header_bytes(m, nmsb):], nmsb, sbk,
-                                         use_unaligned_ks=True)
+def _sparse_run(dg, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
+                sparse_block_kv, clean_logits):
+    m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
+    logits = dg.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), rt.row_aligned(weights, 8),
+                                          rt.sparse_payload(metadata, m, nmsb, paged=False), nmsb,
+                                          sbk, use_unaligned_ks=True)
     if not clean_logits:
         out.copy_(logits)
         return
-    head = metadata[:4 * m * (2 + nmsb)].view(torch.int32)
-    ks, ke, idx = head[:m], head[m:2 * m], head[2 * m:].view(m, nmsb)
-    o = torch.arange(sbk, device=out.device, dtype=torch.int32)
-    token = (idx[:, :, None] * sbk + (ks % sbk)[:, None, None] + o).view(m, nmsb * sbk)
-    nvb = ((ke - ks).clamp(min=0) + (sbk - 1)).div(sbk, rounding_mode="floor").clamp(max=nmsb)
-    valid = ((columns(out, nmsb * sbk) < (nvb * sbk)[:, None]) & (token >= ks[:, None])
-             & (token < ke[:, None]))
-    where_valid(out, valid, logits)
+    ks, ke, idx = rt.sparse_header(metadata, m, nmsb, paged=False)
+    rt.clean_sparse(out, logits, ks, ke, idx, sbk)
 
 
 def _sparse_reference(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks,
                       sparse_block_kv, clean_logits):
-    ks, ke, idx = _sparse_head(metadata, q.shape[0], num_max_sparse_blocks)
+    ks, ke, idx = ref.sparse_header_arrays(metadata, q.shape[0], num_max_sparse_blocks, paged=False)
     return ref.sparse_mqa_logits(q, q_sf, kv, kv_sf, weights, ks, ke, idx,
                                  sparse_block_kv=sparse_block_kv)
 
@@ -355,16 +307,17 @@ FP8_FP4_SPARSE_MQA_LOGITS = Op(
     name="fp8_fp4_sparse_mqa_logits",
     args=("q", "q_sf", "kv", "kv_sf", "weights", "metadata"),
     rule=_sparse_rule,
-    call=_sparse_call,
+    run=_sparse_run,
     reference=_sparse_reference,
-    kernels=("fp8_fp4_sparse_mqa_logits",),
+    symbols=("fp8_fp4_sparse_mqa_logits",),
     archs=frozenset({"sm100"}),
 )
 
 
+@exposes(FP8_FP4_SPARSE_MQA_LOGITS)
 def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks: int,
                               sparse_block_kv: int, *, clean_logits: bool = True) -> jax.Array:
-    """MQA logits at candidate key blocks only (DeepGEMM >= 2.8, SM100), the seed's call shape.
+    """MQA logits at candidate key blocks only (DeepGEMM >= 2.8, SM100), the call shape of vLLM's wrapper.
 
     q: (values [M, H, D], packed UE8M0 int32 scales [M, H], mandatory): MXFP8 (float8_e4m3fn,
        D = 128) or MXFP4 (int8, 64 bytes of e2m1 pairs, low nibble first); byte j of a scale

@@ -3,11 +3,11 @@
 DeepGEMM's `fp8_fp4_paged_mqa_logits` scores every cached token of every request for each of
 its next_n query rows; `get_paged_mqa_logits_metadata` splits that work over the SMs. Both
 sized things (the number of schedule slots, the output width) are static: the slot count
-comes from the target device at trace time (`target()`), the width from `max_model_len`.
+comes from the target device at trace time (`device.target()`), the width from `max_model_len`.
 
 What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully defined:
 - context_lens may be 1-D [B] (row j of request b is then valid for
-  t < context_lens[b] - next_n + j + 1, the seed's convention) or 2-D [B, next_n]; both reach
+  t < context_lens[b] - next_n + j + 1, vLLM's convention) or 2-D [B, next_n]; both reach
   the kernel as 2-D, as 2.5.0 requires.
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
@@ -29,11 +29,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_dg import contracts
+from jax_dg.backends import deep_gemm
+from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op
-from jax_dg.core.target import Target, target
-from jax_dg.ops.cleaning import columns, masked_copy, where_valid
+from jax_dg.core import device
+from jax_dg.core.op import Op, exposes
 from jax_dg.ops.mqa import qk_dtype_name
+from jax_dg.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -47,31 +50,23 @@ SPARSE_KERNELS = ("fp8_fp4_sparse_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits"
 def native_next_n_supported(next_n: int) -> bool:
     """Whether the target's paged MQA-logits kernel takes next_n query rows per request.
     SM90 implements 1, 2 and 4; SM100/SM120 any. Otherwise flatten to one row per query."""
-    return _next_n_ok(int(next_n), target().arch)
-
-
-def _next_n_ok(next_n: int, arch: str) -> bool:
-    return next_n in (1, 2, 4) if arch == "sm90" else next_n >= 1
+    return contracts.next_n_ok(int(next_n), device.target().arch)
 
 
 def get_paged_mqa_page_sizes() -> tuple[int, ...]:
     """KV block sizes (tokens) the target's paged MQA-logits kernels take: 32 and 64
     (only 64 on SM120). Larger storage blocks must be split into one of these."""
-    return _page_sizes(target().arch)
-
-
-def _page_sizes(arch: str) -> tuple[int, ...]:
-    return (64,) if arch == "sm120" else (32, 64)
+    return contracts.page_sizes(device.target().arch)
 
 
 def mqa_logits_use_mx_scales() -> bool:
     """Whether the target's MQA-logits kernels take only MX-scaled inputs (SM100: MXFP8/MXFP4
     with packed UE8M0 scales, bf16 weights)."""
-    return target().arch == "sm100"
+    return device.target().arch == "sm100"
 
 
 def mqa_logits_mx_inputs(q: jax.Array, q_scale: jax.Array | None, weights: jax.Array):
-    """(q_scale, weights) adapted to the target's MQA-logits kernels, as the seed does.
+    """(q_scale, weights) adapted to the target's MQA-logits kernels, as vLLM's wrapper does.
 
     Off SM100: returned unchanged. On SM100: an FP8 q without scales (its per-token scale
     folded into weights) gets unit MX scales int32 [q.shape[:-1]] (exact: relu commutes with
@@ -87,50 +82,36 @@ def mqa_logits_mx_inputs(q: jax.Array, q_scale: jax.Array | None, weights: jax.A
 def has_deep_gemm_sparse_mqa() -> bool:
     """Whether the installed DeepGEMM provides the sparse-indexer kernels
     (fp8_fp4_(paged_)sparse_mqa_logits and their metadata; DeepGEMM >= 2.8, SM100-only)."""
-    from jax_dg.backends import deep_gemm as dg
-    return all(dg.resolve(name) is not None for name in SPARSE_KERNELS)
-
-
-def schedule_slots(num_sms: int, next_n: int, arch: str, varlen: bool = False) -> int:
-    """Scheduler tasks of the paged kernel: SM90 next_n=4 runs one per 2-SM cluster."""
-    return num_sms // (2 if arch == "sm90" and next_n == 4 and not varlen else 1)
+    return all(deep_gemm.lookup(name) is not None for name in SPARSE_KERNELS)
 
 
 # --- schedule metadata ------------------------------------------------------------------------
 
-def _metadata_rule(context_lens, *indices, block_kv, num_sms):
+def _metadata_rule(context_lens, indices, *, block_kv, num_sms):
     return [jax.ShapeDtypeStruct((num_sms + 1, 2), I32)]
 
 
-def _metadata_call(k, context_lens, *rest, block_kv, num_sms):
-    *indices, out = rest
-    kw = {"indices": indices[0]} if indices else {}
-    out.copy_(k.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
+def _metadata_run(dg, context_lens, indices, out, *, block_kv, num_sms):
+    kw = {} if indices is None else {"indices": indices}
+    out.copy_(dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
 
 
-def _metadata_reference(context_lens, *indices, block_kv, num_sms):
-    if indices:
-        return ref.paged_mqa_logits_varlen_metadata(context_lens, indices[0], num_sms=num_sms)
+def _metadata_reference(context_lens, indices, *, block_kv, num_sms):
+    if indices is not None:
+        return ref.paged_mqa_logits_varlen_metadata(context_lens, indices, num_sms=num_sms)
     return ref.paged_mqa_logits_metadata(context_lens, num_sms=num_sms)
 
 
+SM100 = frozenset({"sm100"})
+
 GET_PAGED_MQA_LOGITS_METADATA = Op(
     name="get_paged_mqa_logits_metadata",
-    args=("context_lens",),
-    rule=_metadata_rule,
-    call=_metadata_call,
-    reference=_metadata_reference,
-    kernels=("get_paged_mqa_logits_metadata",),
-)
-
-GET_PAGED_MQA_LOGITS_METADATA_VARLEN = Op(
-    name="get_paged_mqa_logits_metadata_varlen",
     args=("context_lens", "indices"),
     rule=_metadata_rule,
-    call=_metadata_call,
+    run=_metadata_run,
     reference=_metadata_reference,
-    kernels=("get_paged_mqa_logits_metadata",),
-    archs=frozenset({"sm100"}),
+    symbols=("get_paged_mqa_logits_metadata",),
+    arg_archs={"indices": SM100},   # the varlen form
 )
 
 
@@ -143,14 +124,12 @@ def _check_context_lens(ck: Checker, context_lens, b: int | None = None) -> None
                 tuple(context_lens.shape))
 
 
-def _check_indices(ck: Checker, t: Target, indices, rows: int, next_n: int) -> None:
-    ck.that(t.backend != "deep_gemm" or t.arch == "sm100", "indices",
-            f"(the varlen form) needs DeepGEMM's SM100 kernels; this device is {t.arch}. "
-            "Leave it out (one row per request) or use JAX_DG_BACKEND=torch/xla for the reference")
+def _check_indices(ck: Checker, indices, rows: int, next_n: int) -> None:
     ck.tensor(indices, "indices", [I32], (rows,), "[rows] (request id of each query row)")
     ck.that(next_n == 1, "indices", "needs next_n == 1 (one query row per entry)", next_n)
 
 
+@exposes(GET_PAGED_MQA_LOGITS_METADATA)
 def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_sms: int | None = None,
                                   indices: jax.Array | None = None, *, next_n: int | None = None) -> jax.Array:
     """Schedule metadata for paged MQA logits: int32 [slots + 1, 2].
@@ -158,15 +137,16 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     context_lens: int32 [B, next_n] (only the last column counts) or [B] (then `next_n`, default 1,
         says how many query rows each request has).
     block_size: the KV cache's block size in tokens (32 or 64 on SM90).
-    num_sms: SMs to schedule for; default: the target device's (see `target()`), which is what
-        the logits kernel checks the metadata against. slots = num_sms, halved on SM90 for
+    num_sms: SMs to schedule for; default: the target device's (jax_dg.core.device.target()),
+        which is what the logits kernel checks the metadata against. slots = num_sms, halved on SM90 for
         next_n = 4 (one task per 2-SM cluster).
     indices: int32 [rows], request id per query row: the varlen form (SM100 in DeepGEMM).
     On the GPU this is DeepGEMM's own kernel; elsewhere its exact algorithm (bit-exact).
     """
     ck = Checker("get_paged_mqa_logits_metadata")
+    GET_PAGED_MQA_LOGITS_METADATA.gate(["context_lens"] + ([] if indices is None else ["indices"]))
     _check_context_lens(ck, context_lens)
-    t = target()
+    t = device.target()
     if context_lens.ndim == 2:
         ck.that(next_n is None or next_n == context_lens.shape[1], "next_n",
                 f"must match context_lens' next_n = {context_lens.shape[1]}", next_n)
@@ -175,103 +155,77 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     ck.that(context_lens.shape[0] >= 1, "context_lens", "must have at least one row",
             tuple(context_lens.shape))
     block_size = ck.static_int(block_size, "block_size")
-    sizes = _page_sizes(t.arch)
+    sizes = contracts.page_sizes(t.arch)
     ck.that(block_size in sizes, "block_size", f"must be one of {sizes} on {t.arch}", block_size)
     num_sms = t.num_sms if num_sms is None else ck.static_int(num_sms, "num_sms", 1)
     lens = context_lens if context_lens.ndim == 2 else context_lens[:, None]
     lens = jnp.maximum(lens, 0)
     if indices is not None:
-        _check_indices(ck, t, indices, context_lens.shape[0], next_n)
-        slots = schedule_slots(num_sms, next_n, t.arch, varlen=True)
-        (meta,) = GET_PAGED_MQA_LOGITS_METADATA_VARLEN(lens, indices, block_kv=block_size, num_sms=slots)
-        return meta
-    slots = schedule_slots(num_sms, next_n, t.arch)
-    (meta,) = GET_PAGED_MQA_LOGITS_METADATA(lens, block_kv=block_size, num_sms=slots)
+        _check_indices(ck, indices, context_lens.shape[0], next_n)
+    slots = contracts.schedule_slots(num_sms, next_n, t.arch, varlen=indices is not None)
+    (meta,) = GET_PAGED_MQA_LOGITS_METADATA(lens, indices, block_kv=block_size, num_sms=slots)
     return meta
 
 
 # --- dense paged logits -----------------------------------------------------------------------
 
 def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                 *indices, max_model_len, clean_logits):
+                 indices, *, max_model_len, clean_logits):
     return [jax.ShapeDtypeStruct((q.shape[0] * q.shape[1], max_model_len), F32)]
 
 
-def _logits_call(k, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                 *rest, max_model_len, clean_logits):
-    *indices, out = rest
-    kw = {"indices": indices[0]} if indices else {}
+def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                indices, out, *, max_model_len, clean_logits):
+    kw = {} if indices is None else {"indices": indices}
     # Keywords: positional arguments after the 7th changed meaning across DeepGEMM releases.
-    logits = k.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_tables,
-                                         schedule_metadata, max_model_len, clean_logits=False, **kw)
+    logits = dg.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_tables,
+                                          schedule_metadata, max_model_len, clean_logits=False, **kw)
     if clean_logits:
-        masked_copy(out, logits, context_lens)
+        rt.masked_copy(out, logits, context_lens)
     else:
         out.copy_(logits)
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                      *indices, max_model_len, clean_logits):
+                      indices, *, max_model_len, clean_logits):
     return ref.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
                                 max_model_len=max_model_len)
 
 
-_LOGITS_ARGS = ("q", "q_sf", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata")
-
 PAGED_MQA_LOGITS = Op(
     name="fp8_fp4_paged_mqa_logits",
-    args=_LOGITS_ARGS,
+    args=("q", "q_sf", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata",
+          "indices"),
     rule=_logits_rule,
-    call=_logits_call,
+    run=_logits_run,
     reference=_logits_reference,
-    kernels=("fp8_fp4_paged_mqa_logits",),
+    symbols=("fp8_fp4_paged_mqa_logits",),
+    arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
 )
-
-PAGED_MQA_LOGITS_VARLEN = Op(
-    name="fp8_fp4_paged_mqa_logits_varlen",
-    args=_LOGITS_ARGS + ("indices",),
-    rule=_logits_rule,
-    call=_logits_call,
-    reference=_logits_reference,
-    kernels=("fp8_fp4_paged_mqa_logits",),
-    archs=frozenset({"sm100"}),
-)
-
-
-def _check_kv_cache(ck: Checker, kv_cache, d: int, sizes: tuple[int, ...], arch: str):
-    ck.ndim(kv_cache, "kv_cache", 4, "[num_blocks, block_size, 1, D + 4]")
-    ck.dtype(kv_cache, "kv_cache", jnp.uint8)
-    nb, blk, heads, dsf = kv_cache.shape
-    ck.that(heads == 1, "kv_cache", "must have one KV head: [num_blocks, block_size, 1, D + 4]",
-            tuple(kv_cache.shape))
-    ck.that(dsf == d + 4, "kv_cache", f"must have last dim D + 4 = {d + 4} (D = {d} from q; "
-            "each token's 4 extra bytes are its scale)", tuple(kv_cache.shape))
-    ck.that(blk in sizes, "kv_cache", f"must have a block size (dim 1) in {sizes} on {arch}", blk)
-    ck.that(nb >= 1, "kv_cache", "must have at least one block", tuple(kv_cache.shape))
-    return nb, blk
 
 
 def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                   max_model_len, indices, clean_logits):
     ck = Checker(name)
     qv, q_sf = ck.pair(q, "q", second_optional=True)
-    t = target()
+    PAGED_MQA_LOGITS.gate(["q"] + [n for n, x in (("q_sf", q_sf), ("indices", indices)) if x is not None])
+    t = device.target()
     ck.ndim(qv, "q[0]", 4, "[B, next_n, H, D]")
     ck.dtype(qv, "q[0]", FP8)
     b, next_n, h, d = qv.shape
     ck.that(d in (32, 64, 128), "q[0]", "must have head dim D in (32, 64, 128)", d)
     ck.that(h in (32, 64), "q[0]", "must have H in (32, 64) heads (DeepGEMM's paged kernels)", h)
     ck.that(b >= 1, "q[0]", "must have at least one request (B >= 1)", tuple(qv.shape))
-    ck.that(_next_n_ok(next_n, t.arch), "q[0]",
+    ck.that(contracts.next_n_ok(next_n, t.arch), "q[0]",
             f"must have next_n in (1, 2, 4) on {t.arch}; flatten other next_n to one row per "
             "query (next_n = 1)", next_n)
     mx = q_sf is not None
-    if mx:
+    if mx:  # the references emulate the target's contract: MX q scales are SM100's
         ck.that(t.arch == "sm100", "q[1]", f"must be None on {t.arch}: DeepGEMM's kernel there "
                 "takes no q scale (fold it into `weights`)")
         ck.tensor(q_sf, "q[1]", [I32], (b, next_n, h), "[B, next_n, H] (packed UE8M0)")
-        ck.that(d == ref.MX_HEAD_DIM, "q[0]", "must have D = 128 with MX scales", d)
-    nb, blk = _check_kv_cache(ck, kv_cache, d, _page_sizes(t.arch), t.arch)
+        ck.that(d == contracts.MX_HEAD_DIM, "q[0]", "must have D = 128 with MX scales", d)
+    nb, blk, _ = check_kv_cache(ck, kv_cache, d=d, block_sizes=contracts.page_sizes(t.arch), where=t.arch)
     w_dtypes = [F32, jnp.bfloat16] if t.arch == "sm100" else [F32]
     ck.tensor(weights, "weights", w_dtypes, (b * next_n, h), "[B * next_n, H]")
     _check_context_lens(ck, context_lens, b)
@@ -287,9 +241,9 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
     max_model_len = ck.static_int(max_model_len, "max_model_len", 1)
     ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
     if indices is not None:
-        _check_indices(ck, t, indices, b, next_n)
+        _check_indices(ck, indices, b, next_n)
     if schedule_metadata is not None:
-        slots = schedule_slots(t.num_sms, next_n, t.arch, varlen=indices is not None)
+        slots = contracts.schedule_slots(t.num_sms, next_n, t.arch, varlen=indices is not None)
         ck.tensor(schedule_metadata, "schedule_metadata", [I32], (slots + 1, 2),
                   f"[slots + 1, 2] for {t.num_sms} SMs and next_n = {next_n} on {t.arch} "
                   "(from get_paged_mqa_logits_metadata with this device's num_sms"
@@ -311,18 +265,15 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
         block_tables = jnp.where(used, block_tables, 0)
     if schedule_metadata is None:
         schedule_metadata = get_paged_mqa_logits_metadata(ctx, blk, t.num_sms, indices)
-    static = dict(max_model_len=max_model_len, clean_logits=clean_logits)
-    if indices is None:
-        (out,) = PAGED_MQA_LOGITS(qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata, **static)
-    else:
-        (out,) = PAGED_MQA_LOGITS_VARLEN(qv, q_sf, kv_cache, weights, ctx, block_tables,
-                                         schedule_metadata, indices, **static)
+    (out,) = PAGED_MQA_LOGITS(qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata,
+                              indices, max_model_len=max_model_len, clean_logits=clean_logits)
     return out
 
 
+@exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
 def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                              max_model_len, indices=None, *, clean_logits: bool = True) -> jax.Array:
-    """MQA logits over a paged FP8 KV cache (DeepGEMM fp8_fp4_paged_mqa_logits; the seed's call).
+    """MQA logits over a paged FP8 KV cache (DeepGEMM fp8_fp4_paged_mqa_logits; vLLM's wrapper's call).
 
     q: (values float8_e4m3fn [B, next_n, H, D], None) — on SM100 optionally packed UE8M0 scales
        int32 [B, next_n, H] (see mqa_logits_mx_inputs). H in (32, 64), D in (32, 64, 128),
@@ -345,6 +296,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
                          block_tables, schedule_metadata, max_model_len, indices, clean_logits)
 
 
+@exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, *, max_model_len=None,
                      schedule_metadata=None, indices=None, clean_logits: bool = True) -> jax.Array:
     """JAX-style `fp8_fp4_paged_mqa_logits`: q is the FP8 values (or a (values, scales) pair),
@@ -357,35 +309,23 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, *, max_mo
 
 # --- sparse paged logits (SM100-only kernels) -------------------------------------------------
 #
-# The metadata buffer: int32 [context_lens (M) | sparse_kv_block_indices (M * nmsb)] padded to
-# 256 bytes, then the backend's own schedule (DeepGEMM's opaque one on SM100; the references'
-# table elsewhere) -- see jax_dg.reference.paged_mqa. The first part lets every backend clean.
+# The metadata buffer (jax_dg.contracts, paged form): header [context_lens | block indices],
+# then the backend's own schedule (DeepGEMM's opaque one on SM100; the references' table
+# elsewhere). The header lets every backend clean.
 
 def _sparse_metadata_rule(context_lens, block_table, indices, sparse_kv_block_indices, *,
                           page_kv, qk_dtype, sparse_block_kv, size):
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
 
-def _sparse_metadata_call(k, context_lens, block_table, indices, sparse_kv_block_indices, out, *,
-                          page_kv, qk_dtype, sparse_block_kv, size):
-    import torch
+def _sparse_metadata_run(dg, context_lens, block_table, indices, sparse_kv_block_indices, out, *,
+                         page_kv, qk_dtype, sparse_block_kv, size):
     m, nmsb = sparse_kv_block_indices.shape
-    head = out[:4 * m * (1 + nmsb)].view(torch.int32)
-    head[:m].copy_(context_lens)
-    head[m:].copy_(sparse_kv_block_indices.reshape(-1))
-    header = ref.sparse_header_bytes(m, nmsb)
-    out[4 * m * (1 + nmsb):header].zero_()
-    meta = k.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
-                                                  sparse_kv_block_indices, getattr(torch, qk_dtype),
-                                                  sparse_block_kv)
-    meta = meta.contiguous().view(torch.uint8).reshape(-1)
-    region = out[header:]
-    if meta.numel() > region.numel():
-        raise RuntimeError(f"jax_dg: get_paged_sparse_mqa_logits_metadata returned {meta.numel()} "
-                           f"bytes; jax_dg sized {region.numel()} (DeepGEMM's layout changed? see "
-                           "jax_dg.reference.paged_mqa.deep_gemm_paged_sparse_metadata_bytes)")
-    region[:meta.numel()].copy_(meta)
-    region[meta.numel():].zero_()
+    meta = dg.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
+                                                   sparse_kv_block_indices, rt.dtype(qk_dtype),
+                                                   sparse_block_kv)
+    rt.write_sparse_metadata(out, (context_lens, sparse_kv_block_indices), meta, m, nmsb, paged=True,
+                             what="get_paged_sparse_mqa_logits_metadata")
 
 
 def _sparse_metadata_reference(context_lens, block_table, indices, sparse_kv_block_indices, *,
@@ -399,9 +339,9 @@ GET_PAGED_SPARSE_MQA_LOGITS_METADATA = Op(
     name="get_paged_sparse_mqa_logits_metadata",
     args=("context_lens", "block_table", "indices", "sparse_kv_block_indices"),
     rule=_sparse_metadata_rule,
-    call=_sparse_metadata_call,
+    run=_sparse_metadata_run,
     reference=_sparse_metadata_reference,
-    kernels=("get_paged_sparse_mqa_logits_metadata",),
+    symbols=("get_paged_sparse_mqa_logits_metadata",),
     archs=frozenset({"sm100"}),
 )
 
@@ -411,24 +351,17 @@ def _sparse_logits_rule(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_
     return [jax.ShapeDtypeStruct((q.shape[0], num_max_sparse_blocks * sparse_block_kv), jnp.bfloat16)]
 
 
-def _sparse_logits_call(k, q, q_sf, kv_cache, weights, metadata, out, *, num_max_sparse_blocks,
-                        sparse_block_kv, clean_logits):
-    import torch
-    m = q.shape[0]
-    nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
-    logits = k.fp8_fp4_paged_sparse_mqa_logits((q, q_sf), kv_cache, weights,
-                                                metadata[ref.sparse_header_bytes(m, nmsb):], nmsb, sbk)
+def _sparse_logits_run(dg, q, q_sf, kv_cache, weights, metadata, out, *, num_max_sparse_blocks,
+                       sparse_block_kv, clean_logits):
+    m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
+    logits = dg.fp8_fp4_paged_sparse_mqa_logits((q, q_sf), kv_cache, weights,
+                                                 rt.sparse_payload(metadata, m, nmsb, paged=True),
+                                                 nmsb, sbk)
     if not clean_logits:
         out.copy_(logits)
         return
-    head = metadata[:4 * m * (1 + nmsb)].view(torch.int32)
-    ctx, idx = head[:m].clamp(min=0), head[m:].view(m, nmsb)
-    o = torch.arange(sbk, device=out.device, dtype=torch.int32)
-    token = (idx[:, :, None] * sbk + o).view(m, nmsb * sbk)
-    nvb = (ctx + (sbk - 1)).div(sbk, rounding_mode="floor").clamp(max=nmsb)
-    valid = ((columns(out, nmsb * sbk) < (nvb * sbk)[:, None]) & (token >= 0)
-             & (token < ctx[:, None]))
-    where_valid(out, valid, logits)
+    ctx, idx = rt.sparse_header(metadata, m, nmsb, paged=True)
+    rt.clean_sparse(out, logits, None, ctx, idx, sbk)
 
 
 def _sparse_logits_reference(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks,
@@ -442,17 +375,11 @@ PAGED_SPARSE_MQA_LOGITS = Op(
     name="fp8_fp4_paged_sparse_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "metadata"),
     rule=_sparse_logits_rule,
-    call=_sparse_logits_call,
+    run=_sparse_logits_run,
     reference=_sparse_logits_reference,
-    kernels=("fp8_fp4_paged_sparse_mqa_logits",),
+    symbols=("fp8_fp4_paged_sparse_mqa_logits",),
     archs=frozenset({"sm100"}),
 )
-
-
-def _check_sparse_target(ck: Checker, t: Target, arg: str) -> None:
-    ck.that(t.backend != "deep_gemm" or t.arch == "sm100", arg,
-            f"(paged sparse MQA logits) needs DeepGEMM's SM100 kernels (DeepGEMM >= 2.8); this "
-            f"device is {t.arch}. Use JAX_DG_BACKEND=torch or xla for the reference")
 
 
 def _check_sparse_sizes(ck: Checker, num_max_sparse_blocks, sparse_block_kv) -> tuple[int, int]:
@@ -464,10 +391,11 @@ def _check_sparse_sizes(ck: Checker, num_max_sparse_blocks, sparse_block_kv) -> 
     return nmsb, sbk
 
 
+@exposes(GET_PAGED_SPARSE_MQA_LOGITS_METADATA)
 def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv: int,
                                          sparse_kv_block_indices, qk_dtype, sparse_block_kv: int
                                          ) -> jax.Array:
-    """Metadata for fp8_fp4_paged_sparse_mqa_logits (uint8, 1-D; opaque), the seed's call shape.
+    """Metadata for fp8_fp4_paged_sparse_mqa_logits (uint8, 1-D; opaque), the call shape of vLLM's wrapper.
 
     context_lens: int32 [M] (or [M, 1]), one per query row.
     block_table: int32 [M, max_pages], one row per query row (rows of one request identical).
@@ -479,11 +407,11 @@ def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, pag
     qk_dtype: jnp.float8_e4m3fn (MXFP8) or jnp.int8 (packed MXFP4): q's and the cache's format.
     sparse_block_kv: static int, 8 or 16.
     DeepGEMM has this kernel on SM100 only (>= 2.8); elsewhere use JAX_DG_BACKEND=torch or xla.
-    The buffer's size depends on the target's SM count (`target()`).
+    The buffer's size depends on the target's SM count (`device.target()`).
     """
     ck = Checker("get_paged_sparse_mqa_logits_metadata")
-    t = target()
-    _check_sparse_target(ck, t, "sparse_kv_block_indices")
+    GET_PAGED_SPARSE_MQA_LOGITS_METADATA.gate()
+    t = device.target()
     ck.ndim(sparse_kv_block_indices, "sparse_kv_block_indices", 2, "[M, num_max_sparse_blocks]")
     ck.dtype(sparse_kv_block_indices, "sparse_kv_block_indices", I32)
     m, nmsb = sparse_kv_block_indices.shape
@@ -502,13 +430,14 @@ def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, pag
     page_kv = ck.static_int(page_kv, "page_kv", 1)
     ck.that(page_kv % sbk == 0, "page_kv", f"must be a multiple of sparse_block_kv = {sbk}", page_kv)
     qk = qk_dtype_name(ck, qk_dtype)
-    size = ref.paged_sparse_metadata_bytes(m, nmsb, sbk, qk, t.num_sms)
+    size = contracts.sparse_metadata_bytes(m, nmsb, sbk, qk, t.num_sms, paged=True)
     (meta,) = GET_PAGED_SPARSE_MQA_LOGITS_METADATA(
         context_lens.reshape(m), block_table, indices, sparse_kv_block_indices,
         page_kv=page_kv, qk_dtype=qk, sparse_block_kv=sbk, size=size)
     return meta
 
 
+@exposes(PAGED_SPARSE_MQA_LOGITS)
 def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_sparse_blocks: int,
                                     sparse_block_kv: int, *, clean_logits: bool = True) -> jax.Array:
     """MQA logits at candidate blocks only, over a paged MX cache (decode; DeepGEMM SM100 only).
@@ -526,8 +455,8 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
     clean_logits=False). DeepGEMM has this kernel on SM100 only.
     """
     ck = Checker("fp8_fp4_paged_sparse_mqa_logits")
-    t = target()
-    _check_sparse_target(ck, t, "q")
+    PAGED_SPARSE_MQA_LOGITS.gate()
+    t = device.target()
     qv, q_sf = ck.pair(q, "q")
     ck.ndim(qv, "q[0]", 4, "[M, 1, H, D]")
     ck.dtype(qv, "q[0]", FP8, jnp.int8)
@@ -539,16 +468,13 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
     ck.that(0 < h <= 32 and h % 8 == 0, "q[0]", "must have H a multiple of 8, at most 32", h)
     ck.tensor(q_sf, "q[1]", [I32], (m, 1, h), "[M, 1, H] (packed UE8M0)")
     nmsb, sbk = _check_sparse_sizes(ck, num_max_sparse_blocks, sparse_block_kv)
-    ck.ndim(kv_cache, "kv_cache", 4, "[pages, page_kv, 1, D + 4]")
-    ck.dtype(kv_cache, "kv_cache", jnp.uint8)
-    pages, page_kv, heads, dsf = kv_cache.shape
-    ck.that(heads == 1 and dsf == dq + 4, "kv_cache", f"must be [pages, page_kv, 1, {dq + 4}]",
-            tuple(kv_cache.shape))
+    _, page_kv, _ = check_kv_cache(ck, kv_cache, d=dq)
+    dsf = dq + 4
     ck.that(page_kv % sbk == 0 and (page_kv * dsf) % 512 == 0, "kv_cache",
             f"must have page_kv a multiple of {sbk} and pages of page_kv * {dsf} bytes a "
             "multiple of 512", page_kv)
     ck.tensor(weights, "weights", [jnp.bfloat16], (m, h), "[M, H] (bfloat16)")
-    size = ref.paged_sparse_metadata_bytes(m, nmsb, sbk, jnp.dtype(qv.dtype).name, t.num_sms)
+    size = contracts.sparse_metadata_bytes(m, nmsb, sbk, jnp.dtype(qv.dtype).name, t.num_sms, paged=True)
     ck.tensor(metadata, "metadata", [jnp.uint8], (size,),
               f"[bytes] from get_paged_sparse_mqa_logits_metadata (M = {m}, nmsb = {nmsb}) "
               "on this device")

@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_dg.contracts import hc_split_bounds
 from jax_dg.reference.gemm import HIGHEST
-
-BLOCK_K = 64
-
-
-def split_bounds(k: int, num_split: int) -> list[tuple[int, int]]:
-    """DeepGEMM's K ranges of the splits: whole 64-wide blocks, the remainder to the first splits."""
-    per, rem = divmod(k // BLOCK_K, num_split)
-    bounds, start = [], 0
-    for s in range(num_split):
-        end = start + per + (s < rem)
-        bounds.append((start * BLOCK_K, end * BLOCK_K))
-        start = end
-    return bounds
-
 
 def tf32_hc_prenorm_gemm(x, fn, *, num_split):
     xf, fn = x.astype(jnp.float32), fn.astype(jnp.float32)
     if num_split is None:
         return jnp.matmul(xf, fn.T, precision=HIGHEST), jnp.square(xf).sum(-1)
     parts = [(jnp.matmul(xf[:, s:e], fn[:, s:e].T, precision=HIGHEST), jnp.square(xf[:, s:e]).sum(-1))
-             for s, e in split_bounds(x.shape[1], num_split)]
+             for s, e in hc_split_bounds(x.shape[1], num_split)]
     return jnp.stack([d for d, _ in parts]), jnp.stack([q for _, q in parts])

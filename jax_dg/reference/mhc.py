@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import align, cdiv
-from jax_dg.quant import pack_ue8m0_to_int, per_token_cast_to_fp8
+from jax_dg.contracts import align, cdiv
+from jax_dg.reference.quant import pack_ue8m0_to_int, per_token_cast_to_fp8
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NUM_ROUTES = 4

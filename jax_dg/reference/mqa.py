@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_dg import contracts
+
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG_INF = float("-inf")
 # Scores held at once by weighted_relu_logits (float32 elements): 2**26 = 256 MiB.
@@ -99,7 +101,7 @@ def mx_dequant(values: jax.Array, sf: jax.Array) -> jax.Array:
 def sparse_columns(ks, ke, indices, sparse_block_kv: int):
     """For each output column (j, o) of the sparse form: the token it scores and whether it is valid.
 
-    token = indices[i, j] * sbk + ks[i] % sbk + o (the seed's unaligned-ks convention); valid iff
+    token = indices[i, j] * sbk + ks[i] % sbk + o (DeepGEMM's unaligned-ks convention); valid iff
     j < min(ceil(max(ke - ks, 0) / sbk), num_max_sparse_blocks) and ks[i] <= token < ke[i].
     """
     sbk = sparse_block_kv
@@ -123,3 +125,29 @@ def sparse_mqa_logits(q, q_sf, kv, kv_sf, weights, ks, ke, indices, *, sparse_bl
     logits = jnp.einsum("mhc,mh->mc", jnp.maximum(s, 0.0), weights.astype(jnp.float32),
                         precision=HIGHEST)
     return jnp.where(valid, logits, NEG_INF).astype(jnp.bfloat16)
+
+
+# --- the sparse metadata buffer (layout in jax_dg.contracts) -----------------------------------
+
+def _bytes(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint8).reshape(-1)
+
+
+def pack_sparse_header(vectors, m: int, nmsb: int, *, paged: bool, backend_part: jax.Array,
+                       size: int) -> jax.Array:
+    """uint8 [size]: the header's int32 vectors (ks, ke, indices / context_lens, indices),
+    padded, then `backend_part` (int32, the references' schedule), then zeros."""
+    head = jnp.concatenate([_bytes(v) for v in vectors])
+    header = contracts.sparse_header_bytes(m, nmsb, paged)
+    body = _bytes(backend_part)
+    return jnp.concatenate([head, jnp.zeros((header - head.shape[0],), jnp.uint8), body,
+                            jnp.zeros((size - header - body.shape[0],), jnp.uint8)])
+
+
+def sparse_header_arrays(metadata: jax.Array, m: int, nmsb: int, *, paged: bool):
+    """The header's vectors back: (ks [M], ke [M], indices [M, nmsb]) or
+    (context_lens [M], indices [M, nmsb]) when paged."""
+    used = contracts.sparse_header_used(m, nmsb, paged)
+    head = jax.lax.bitcast_convert_type(metadata[:used].reshape(-1, 4), jnp.int32)
+    k = contracts.sparse_header_vectors(paged)
+    return tuple(head[i * m:(i + 1) * m] for i in range(k)) + (head[k * m:].reshape(m, nmsb),)

@@ -15,14 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import align, cdiv
-from jax_dg.paged import unpack_kv_cache
-from jax_dg.reference.mqa import mx_dequant, sparse_columns, weighted_relu_logits
+from jax_dg import contracts
+from jax_dg.contracts import SPLIT_KV
+from jax_dg.reference.mqa import mx_dequant, pack_sparse_header, sparse_columns, weighted_relu_logits
 
-SPLIT_KV = 256            # tokens per schedule split (SM90 kernel)
-MX_HEAD_DIM = 128         # four UE8M0 bytes (one int32) per row, one per 32 elements
-SPARSE_SPLIT_KV = {"float8_e4m3fn": 512, "int8": 640}   # by qk dtype (MXFP8, packed MXFP4)
-META_ALIGN = 256
+SCALE_BYTES = 4           # each token's scale (float32, or packed UE8M0 int32) in a cache block
 _CHUNK_BYTES = 1 << 28    # per-chunk working set of the logits references
 NEG_INF = float("-inf")
 
@@ -102,6 +99,19 @@ def paged_mqa_logits_varlen_metadata(context_lens: jax.Array, indices: jax.Array
     return jnp.stack([row, split], axis=1).astype(jnp.int32)
 
 
+def split_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False, value_dtype=jnp.float8_e4m3fn):
+    """uint8 [num_blocks, block, 1, D + 4] in DeepGEMM's block layout (each block: its tokens'
+    D-byte rows, then their 4-byte scales) -> (values [num_blocks, block, D] of `value_dtype`,
+    scales [num_blocks, block]: float32, or int32 packed UE8M0 with `mx_scales`)."""
+    nb, blk, _, dp4 = kv_cache.shape
+    d = dp4 - SCALE_BYTES
+    flat = kv_cache.reshape(nb, blk * dp4)
+    values = jax.lax.bitcast_convert_type(flat[:, :blk * d].reshape(nb, blk, d), value_dtype)
+    scales = jax.lax.bitcast_convert_type(flat[:, blk * d:].reshape(nb, blk, SCALE_BYTES),
+                                          jnp.int32 if mx_scales else jnp.float32)
+    return values, scales
+
+
 def _dequant_q(q: jax.Array, q_sf: jax.Array | None) -> jax.Array:
     return q.astype(jnp.float32) if q_sf is None else mx_dequant(q, q_sf)
 
@@ -125,7 +135,7 @@ def paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables, *,
     block_tables int32 [B, max_blocks]. The varlen form is the case next_n = 1."""
     b, next_n, h, _ = q.shape
     mx = q_sf is not None
-    values, scales = unpack_kv_cache(kv_cache, mx_scales=mx, value_dtype=q.dtype)
+    values, scales = split_kv_cache(kv_cache, mx_scales=mx, value_dtype=q.dtype)
     blk = values.shape[1]
     width = block_tables.shape[1]
     t = width * blk
@@ -151,34 +161,9 @@ def paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables, *,
 
 # --- sparse paged logits (SM100 kernels) ------------------------------------------------------
 #
-# The metadata buffer jax_dg hands around (as for the non-paged sparse op, jax_dg.ops.mqa):
-# int32 [context_lens (M) | sparse_kv_block_indices (M * nmsb)] padded to 256 bytes, then the
-# backend's own part: DeepGEMM's opaque schedule on SM100, or the references' table
-# int32 [M, nmsb, 2] = (cache slot of the candidate block's first token, its valid tokens).
-# The first part lets every backend clean the output (-inf where a column scores no token).
-
-def sparse_header_bytes(m: int, nmsb: int) -> int:
-    return align(4 * m * (1 + nmsb), META_ALIGN)
-
-
-def deep_gemm_paged_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str,
-                                          num_sms: int) -> int:
-    """Size of DeepGEMM's paged sparse schedule (upstream layout/sparse_mqa_logits.cuh)."""
-    per_split = SPARSE_SPLIT_KV[qk_dtype] // sbk
-    s_max = m * cdiv(nmsb, per_split)
-    return 16 + s_max * (16 + per_split * 8) + align(s_max, num_sms) * 16
-
-
-def paged_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int) -> int:
-    backend = max(deep_gemm_paged_sparse_metadata_bytes(m, nmsb, sbk, qk_dtype, num_sms), 8 * m * nmsb)
-    return sparse_header_bytes(m, nmsb) + backend
-
-
-def sparse_header(metadata: jax.Array, m: int, nmsb: int) -> tuple[jax.Array, jax.Array]:
-    """(context_lens [M], sparse_kv_block_indices [M, nmsb]) back from the metadata's first part."""
-    head = jax.lax.bitcast_convert_type(metadata[:4 * m * (1 + nmsb)].reshape(-1, 4), jnp.int32)
-    return head[:m], head[m:].reshape(m, nmsb)
-
+# The metadata buffer is described in jax_dg.contracts (paged form: header [context_lens |
+# indices], then the backend's part; the references' part is an int32 [M, nmsb, 2] table of
+# (cache slot of the candidate block's first token, its valid tokens)).
 
 def paged_sparse_valid(context_lens, sparse_kv_block_indices, sparse_block_kv: int):
     """(logical token [M, nmsb*sbk], valid [M, nmsb*sbk]) of each output column: token
@@ -204,14 +189,10 @@ def paged_sparse_mqa_logits_metadata(context_lens, block_table, sparse_kv_block_
                                      page_kv: int, sparse_block_kv: int, size: int) -> jax.Array:
     """uint8 [size]: the header, then the references' table, then zeros."""
     m, nmsb = sparse_kv_block_indices.shape
-    head = jnp.concatenate([context_lens.reshape(-1).astype(jnp.int32),
-                            sparse_kv_block_indices.reshape(-1).astype(jnp.int32)])
     table = paged_sparse_table(context_lens, block_table, sparse_kv_block_indices, page_kv=page_kv,
                                sparse_block_kv=sparse_block_kv)
-    parts = [jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in (head, table)]
-    header = sparse_header_bytes(m, nmsb)
-    return jnp.concatenate([parts[0], jnp.zeros((header - parts[0].shape[0],), jnp.uint8), parts[1],
-                            jnp.zeros((size - header - parts[1].shape[0],), jnp.uint8)])
+    return pack_sparse_header([context_lens.reshape(-1), sparse_kv_block_indices], m, nmsb,
+                              paged=True, backend_part=table, size=size)
 
 
 def paged_sparse_mqa_logits(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks: int,
@@ -221,11 +202,11 @@ def paged_sparse_mqa_logits(q, q_sf, kv_cache, weights, metadata, *, num_max_spa
     q: MXFP8 float8_e4m3fn [M, 1, H, 128] or packed MXFP4 int8 [M, 1, H, 64], q_sf int32 [M, 1, H]."""
     m, _, h, dq = q.shape
     nmsb, sbk = num_max_sparse_blocks, sparse_block_kv
-    header = sparse_header_bytes(m, nmsb)
+    header = contracts.sparse_header_bytes(m, nmsb, paged=True)
     table = jax.lax.bitcast_convert_type(
         metadata[header:header + m * nmsb * 8].reshape(m, nmsb, 2, 4), jnp.int32)
     slot, count = table[..., 0], table[..., 1]
-    values, scales = unpack_kv_cache(kv_cache, mx_scales=True, value_dtype=q.dtype)
+    values, scales = split_kv_cache(kv_cache, mx_scales=True, value_dtype=q.dtype)
     flat_v = values.reshape(-1, dq)
     flat_s = scales.reshape(-1)
     o = jnp.arange(sbk, dtype=jnp.int32)

@@ -22,7 +22,7 @@ def _echo_rule(*xs, scale):
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
 
 
-def _echo_call(k, *bufs, scale):
+def _echo_run(dg, *bufs, scale):
     n = len(bufs) // 2
     for x, out in zip(bufs[:n], bufs[n:]):
         SEEN.append((x.dtype, tuple(x.shape), x.device.type, x.is_contiguous(), x.data_ptr(),
@@ -39,7 +39,7 @@ def _echo_reference(*xs, scale):
 
 
 ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), rule=_echo_rule,
-              call=_echo_call, reference=_echo_reference) for n in (1, 3)}
+              run=_echo_run, reference=_echo_reference) for n in (1, 3)}
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2,
           jnp.int32, jnp.int64, jnp.uint8, jnp.int8, jnp.bool_]
@@ -110,7 +110,7 @@ def test_exception_in_backend_is_a_jax_error_and_the_process_lives(keys, monkeyp
     x = random_array(keys(), (8,), jnp.float32)
     op = ECHO[1]
     calls = {"n": 0}
-    real = op.call
+    real = op.run
 
     def failing_once(*args, **kwargs):
         calls["n"] += 1
@@ -118,7 +118,7 @@ def test_exception_in_backend_is_a_jax_error_and_the_process_lives(keys, monkeyp
             raise ValueError("boom from the backend 4321")
         return real(*args, **kwargs)
 
-    object.__setattr__(op, "call", failing_once)
+    object.__setattr__(op, "run", failing_once)
     bridge.clear_caches()
     try:
         f = jax.jit(lambda x: op(x, scale=5.0))
@@ -126,7 +126,7 @@ def test_exception_in_backend_is_a_jax_error_and_the_process_lives(keys, monkeyp
             jax.block_until_ready(f(x))
         np.testing.assert_array_equal(np.asarray(f(x)[0]), np.asarray(x) * 5)
     finally:
-        object.__setattr__(op, "call", real)
+        object.__setattr__(op, "run", real)
         bridge.clear_caches()
 
 

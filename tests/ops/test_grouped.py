@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.core.checks import align
+from jax_dg.contracts import align
 from tests.conftest import device_copies, digest, run, same_bits, to_torch
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -140,7 +140,7 @@ def test_contiguous_with_no_rows(keys):
 def test_contiguous_follows_the_mk_alignment(keys, monkeypatch):
     """Layouts padded to another alignment: checked against it while tracing, and the backend's
     BLOCK_M cap is set to it when the kernel runs (here the torch reference records it)."""
-    from jax_dg import layout as layout_mod
+    from jax_dg import routing as layout_mod
     from jax_dg.backends import torch_ref
     monkeypatch.setattr(layout_mod, "_dg", lambda name: None)  # jax_dg's value alone
     layout = jnp.asarray(contiguous_layout([70, 0, 20], alignment=64))  # M = 128 + 64

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.reference.hyperconnection import split_bounds
+from jax_dg.contracts import hc_split_bounds as split_bounds
 from tests.conftest import bits, digest, to_torch, run
 
 

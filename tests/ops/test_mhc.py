@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.capability import arch_family
+from jax_dg.core.device import family as arch_family
 from jax_dg.reference.mhc import shared_sf_rows
 from tests.conftest import bits, digest, to_torch, run
 

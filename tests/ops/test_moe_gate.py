@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.capability import arch_family
+from jax_dg.core.device import family as arch_family
 from tests.conftest import bits, digest, to_torch, run
 
 RSF = 1.5  # DeepGEMM's test routed_scaling_factor

@@ -328,14 +328,12 @@ def test_sparse_clean_logits_false_and_aligned_ranges(keys):
 
 
 def test_sparse_kernels_are_sm100_only(monkeypatch):
-    from jax_dg import capability
-    from jax_dg.backends import deep_gemm
+    from jax_dg.core import device
     from jax_dg.ops import mqa
-    monkeypatch.setattr(capability, "arch_family", lambda device=None: "sm90")
-    monkeypatch.setattr(capability, "device_arch", lambda device=None: "sm90")
+    monkeypatch.setattr(device, "target", lambda: device.Target("deep_gemm", "cuda", "sm90", 132))
     for op in (mqa.FP8_FP4_SPARSE_MQA_LOGITS, mqa.GET_SPARSE_MQA_LOGITS_METADATA):
-        with pytest.raises(RuntimeError, match="only on sm100.*JAX_DG_BACKEND=torch"):
-            deep_gemm.kernels_for(op)
+        with pytest.raises(jax_dg.UnsupportedArchError, match="only on sm100.*JAX_DG_BACKEND=torch"):
+            op.gate()
 
 
 @pytest.mark.parametrize("case,arg", [

@@ -12,6 +12,7 @@ import pytest
 
 import jax_dg
 from jax_dg import paged
+from jax_dg.core import device
 from jax_dg.ops import paged_mqa as ops
 from tests.conftest import digest, same_bits, to_torch
 from tests.conftest import run as run_jit
@@ -79,7 +80,7 @@ def numpy_logits(q, cache, weights, lens2d, table, max_model_len):
 
 
 def lens_2d(lens, next_n):
-    """What a row's length means: 2-D as given (cut to the last column), 1-D the seed's rule."""
+    """What a row's length means: 2-D as given (cut to the last column), 1-D vLLM's rule."""
     lens = np.asarray(lens)
     if lens.ndim == 1:
         lens = lens[:, None] - next_n + 1 + np.arange(next_n)[None, :]
@@ -281,16 +282,16 @@ def test_metadata_forms_and_slot_rules():
 
 
 def test_target_and_num_sms_override(monkeypatch):
-    from jax_dg.backends.torch_ref import paged_mqa as tr
-    t = ops.target()
+    from jax_dg.backends.torch_ref import device as tr
+    t = device.target()
     assert (t.backend, t.platform, t.arch, t.num_sms) == ("torch", "cpu", "sm90", 132)
     monkeypatch.setattr(tr, "_num_sms", 16)
-    assert ops.target().num_sms == 16
+    assert device.target().num_sms == 16
     lens = jnp.array([[300], [9]], jnp.int32)
     meta = jax_dg.get_paged_mqa_logits_metadata(lens, 64)
     np.testing.assert_array_equal(np.asarray(meta), numpy_metadata(np.asarray(lens), 16))
     with jax_dg.use_backend("xla"):
-        assert ops.target().backend == "xla"
+        assert device.target().backend == "xla"
 
 
 # --- varlen (indices) and MX scales (SM100 contracts, run on the references) -------------------
@@ -319,7 +320,8 @@ def test_varlen_rows_score_like_single_rows():
 
 
 def emulate(monkeypatch, arch, backend="torch"):
-    monkeypatch.setattr(ops, "target", lambda: ops.Target(backend, "cpu", arch, 132))
+    platform = "cuda" if backend == "deep_gemm" else "cpu"  # DeepGEMM targets a GPU
+    monkeypatch.setattr(device, "target", lambda: device.Target(backend, platform, arch, 132))
 
 
 def mx_case(m, h, pages, page_kv, fp4=False, seed=0):
@@ -401,12 +403,16 @@ def test_paged_sparse_matches_reference_and_dense_gather(fp4):
 def test_deep_gemm_on_sm90_rejects_sm100_forms_at_trace_time(monkeypatch):
     q, cache, w, lens, table = make_case([64, 65], 1, 32, 64, 64, two_d=False)
     emulate(monkeypatch, "sm90", backend="deep_gemm")
-    with pytest.raises(jax_dg.ArgumentError, match=re.escape("paged_mqa_logits: `indices`") + ".*SM100"):
+    with pytest.raises(jax_dg.UnsupportedArchError,
+                       match=re.escape("`fp8_fp4_paged_mqa_logits` with `indices`") + ".*only on sm100"):
         jax_dg.paged_mqa_logits(q, cache, w, lens, table, indices=jnp.arange(2, dtype=jnp.int32))
+    with pytest.raises(jax_dg.UnsupportedArchError,
+                       match=re.escape("`get_paged_mqa_logits_metadata` with `indices`") + ".*only on sm100"):
+        jax_dg.get_paged_mqa_logits_metadata(lens, 64, indices=jnp.arange(2, dtype=jnp.int32))
     sq, scache, sw, ctx, stable, reqs, idx, page_kv = sparse_case()
-    with pytest.raises(jax_dg.ArgumentError, match="SM100"):
+    with pytest.raises(jax_dg.UnsupportedArchError, match="only on sm100"):
         jax_dg.get_paged_sparse_mqa_logits_metadata(ctx, stable, reqs, page_kv, idx, FP8, 16)
-    with pytest.raises(jax_dg.ArgumentError, match="SM100"):
+    with pytest.raises(jax_dg.UnsupportedArchError, match="only on sm100"):
         jax_dg.fp8_fp4_paged_sparse_mqa_logits(sq, scache, sw, jnp.zeros((8,), jnp.uint8), 8, 16)
 
 
@@ -451,7 +457,7 @@ def test_legacy_paged_kernel_is_adapted_and_refuses_what_it_cannot_take(monkeypa
         return "logits"
 
     monkeypatch.setattr(dg, "module", lambda: types.SimpleNamespace(fp8_paged_mqa_logits=legacy))
-    fn = dg.resolve("fp8_fp4_paged_mqa_logits")
+    fn = dg.lookup("fp8_fp4_paged_mqa_logits")
     assert fn(("Q", None), "KV", "W", "L", "T", "M", 64, clean_logits=False, indices="I") == "logits"
     assert seen == {"q": "Q", "clean": False, "indices": "I"}
     with pytest.raises(RuntimeError, match="no q scale"):

@@ -5,6 +5,7 @@ tensors), so an op's `call` runs unchanged on it. It runs on any device; the bri
 on CPU. Each family lives in its own module.
 """
 
+from jax_dg.backends.torch_ref.device import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.gemm import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.mqa import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.paged_mqa import *  # noqa: F401,F403

@@ -9,16 +9,17 @@ from __future__ import annotations
 import torch
 
 from jax_dg.backends.torch_ref.common import dequant
+from jax_dg.contracts import LEGACY_MK_ALIGNMENT
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
-           "fp8_m_grouped_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
+           "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
-           "bf16_m_grouped_gemm_nt_masked", "get_mk_alignment_for_contiguous_layout",
+           "get_mk_alignment_for_contiguous_layout",
            "set_mk_alignment_for_contiguous_layout"]
 
 # DeepGEMM's BLOCK_M cap for contiguous layouts; the reference computes row by row, so it
 # only records it (the ops set it as they set DeepGEMM's).
-_mk_alignment = [128]
+_mk_alignment = [LEGACY_MK_ALIGNMENT]
 
 
 def get_mk_alignment_for_contiguous_layout() -> int:
@@ -76,7 +77,3 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:
     _masked(a.float(), b.float(), d, masked_m)
 
-
-# DeepGEMM's legacy aliases
-fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
-bf16_m_grouped_gemm_nt_masked = m_grouped_bf16_gemm_nt_masked

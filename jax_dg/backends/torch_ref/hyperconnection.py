@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jax_dg.reference.hyperconnection import split_bounds  # plain Python: the split contract
+from jax_dg.contracts import hc_split_bounds
 
 __all__ = ["tf32_hc_prenorm_gemm"]
 
@@ -15,6 +15,6 @@ def tf32_hc_prenorm_gemm(a, b, d, sqr_sum, num_splits=None) -> None:
         d.copy_(x @ w.T)
         sqr_sum.copy_(x.square().sum(-1))
         return
-    for s, (start, end) in enumerate(split_bounds(a.shape[1], num_splits)):
+    for s, (start, end) in enumerate(hc_split_bounds(a.shape[1], num_splits)):
         d[s].copy_(x[:, start:end] @ w[:, start:end].T)
         sqr_sum[s].copy_(x[:, start:end].square().sum(-1))

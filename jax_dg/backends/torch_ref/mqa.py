@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp8_fp4_mqa_logits", "fp8_mqa_logits", "get_sparse_mqa_logits_metadata",
+from jax_dg.contracts import align
+
+__all__ = ["fp8_fp4_mqa_logits", "get_sparse_mqa_logits_metadata",
            "fp8_fp4_sparse_mqa_logits"]
 
 BLOCK_KV = 256
 # Scores held at once ([rows, H, N] float32 elements).
 _CHUNK_ELEMENTS = 1 << 24
-
-
-def _align(x: int, y: int) -> int:
-    return -(-x // y) * y
 
 
 def _check(ok: bool, what: str) -> None:
@@ -65,8 +63,8 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, cle
     compressed = max_seqlen_k > 0
     _check(not (compressed and clean_logits), "not clean_logits")
     dtype = torch.float32 if logits_dtype is None else logits_dtype
-    width = _align(max_seqlen_k, BLOCK_KV) if compressed else _align(seq_len_kv + BLOCK_KV, 64)
-    storage = torch.full((_align(seq_len, 128 // num_heads), width), float("nan"), dtype=dtype,
+    width = align(max_seqlen_k, BLOCK_KV) if compressed else align(seq_len_kv + BLOCK_KV, 64)
+    storage = torch.full((align(seq_len, 128 // num_heads), width), float("nan"), dtype=dtype,
                          device=q_fp.device)
     logits = storage[:seq_len, :max_seqlen_k if compressed else seq_len_kv]
 
@@ -88,13 +86,6 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, cle
         gathered = scores.gather(1, pos.clamp(0, seq_len_kv - 1))
         logits.copy_(torch.where(ok, gathered.to(dtype), logits))
     return logits
-
-
-def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits=True,
-                   max_seqlen_k=0):
-    """The legacy name: q is the bare FP8 tensor."""
-    return fp8_fp4_mqa_logits((q, None), kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,
-                              clean_logits=clean_logits, max_seqlen_k=max_seqlen_k)
 
 
 # --- Sparse (SM100-only in DeepGEMM): jax_dg's own metadata and the gather-of-dense formula -------
@@ -123,7 +114,7 @@ def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -mag, mag)
 
 
-def _mx_dequant(values: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+def mx_dequant(values: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     x = _unpack_fp4(values) if values.dtype in (torch.int8, torch.uint8) else values.float()
     return x * _unpack_ue8m0(sf).repeat_interleave(x.shape[-1] // 4, dim=-1)
 
@@ -138,8 +129,8 @@ def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks, s
     meta = metadata.view(torch.int32)
     ks, ke = meta[:m].long(), meta[m:2 * m].long()
     idx = meta[2 * m:2 * m + m * nmsb].view(m, nmsb).long()
-    qf = _mx_dequant(q_fp, q_sf)
-    kf = _mx_dequant(kv_fp, kv_sf)
+    qf = mx_dequant(q_fp, q_sf)
+    kf = mx_dequant(kv_fp, kv_sf)
     o = torch.arange(sbk, device=qf.device)
     token = (idx[:, :, None] * sbk + (ks % sbk)[:, None, None] + o).reshape(m, nmsb * sbk)
     nvb = ((ke - ks).clamp(min=0) + sbk - 1).div(sbk, rounding_mode="floor").clamp(max=nmsb)
@@ -148,7 +139,7 @@ def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks, s
     k_sel = kf[token.clamp(0, max(kf.shape[0] - 1, 0))]
     s = torch.einsum("mhd,mcd->mhc", qf, k_sel).relu_()
     logits = torch.einsum("mhc,mh->mc", s, weights.float())
-    out = torch.full((_align(m, 2), _align(nmsb * sbk, 512)), float("nan"), dtype=torch.bfloat16,
+    out = torch.full((align(m, 2), align(nmsb * sbk, 512)), float("nan"), dtype=torch.bfloat16,
                      device=qf.device)[:m, :nmsb * sbk]
     out.copy_(torch.where(valid, logits, torch.nan).to(torch.bfloat16))
     return out

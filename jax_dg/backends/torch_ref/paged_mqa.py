@@ -1,42 +1,24 @@
 """Torch reference of DeepGEMM's paged MQA-logits kernels (same signatures as deep_gemm 2.5.0).
 
-It emulates the SM90 contract (an H200: 132 SMs unless a CUDA device says otherwise or
-`set_num_sms` is called), including what DeepGEMM leaves undefined: logits are returned as a
+It emulates the SM90 contract (with the SM count of torch_ref.device), including what DeepGEMM leaves undefined: logits are returned as a
 view of a [rows, align(max_context_len, 256)] allocation; each request's next_n rows are
 scored up to its *last* row's length, and everything after that is NaN (DeepGEMM leaves
 unwritten memory there). The sparse kernels (SM100-only in DeepGEMM) use jax_dg's own
-metadata encoding (see jax_dg.reference.paged_mqa).
+metadata encoding (see jax_dg.contracts).
 """
 
 from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.mqa import _mx_dequant
-from jax_dg.reference.paged_mqa import SPLIT_KV
+from jax_dg.backends.torch_ref.device import get_num_sms
+from jax_dg.backends.torch_ref.mqa import mx_dequant
+from jax_dg.contracts import SPLIT_KV
 
 __all__ = [
-    "get_num_sms", "set_num_sms", "get_paged_mqa_logits_metadata", "fp8_fp4_paged_mqa_logits",
+    "get_paged_mqa_logits_metadata", "fp8_fp4_paged_mqa_logits",
     "get_paged_sparse_mqa_logits_metadata", "fp8_fp4_paged_sparse_mqa_logits",
 ]
-
-DEFAULT_NUM_SMS = 132     # H100 / H200 SXM
-EMULATED_ARCH = "sm90"
-_num_sms: int | None = None
-
-
-def set_num_sms(num_sms: int) -> None:
-    global _num_sms
-    _num_sms = int(num_sms)
-
-
-def get_num_sms() -> int:
-    if _num_sms is not None:
-        return _num_sms
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return DEFAULT_NUM_SMS
-
 
 def _expect(ok: bool, condition: str) -> None:
     if not ok:
@@ -142,7 +124,7 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     t = width * blk
     cols = min(t, max_context_len)
     table = block_table.long().clamp(0, nb - 1)
-    qf = _mx_dequant(q_fp, q_sf) if mx else q_fp.float()
+    qf = mx_dequant(q_fp, q_sf) if mx else q_fp.float()
     w = weights.float().view(b, next_n, h, 1)
     # DeepGEMM scores every row of a request up to its last row's length.
     scored = context_lens[:, -1].long().clamp(0, cols)
@@ -153,7 +135,7 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     for b0 in range(0, b, step):
         b1 = min(b, b0 + step)
         rows = table[b0:b1]
-        k = (_mx_dequant(values[rows], sf[rows]) if mx else values[rows].float()).view(b1 - b0, t, d)
+        k = (mx_dequant(values[rows], sf[rows]) if mx else values[rows].float()).view(b1 - b0, t, d)
         s = torch.einsum("bnhd,btd->bnht", qf[b0:b1], k).relu_()
         out = (s * w[b0:b1]).sum(2)                                # [b, next_n, T]
         if not mx:   # the SM90 kernel scales after the head sum
@@ -201,8 +183,8 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
     values, sf = values.view(-1, dq), sf.view(-1)
     o = torch.arange(sbk, device=q_fp.device)
     tok = (table[..., :1] + o).clamp(0, values.shape[0] - 1).view(m, nmsb * sbk)
-    k = _mx_dequant(values[tok], sf[tok])                               # [M, C, D]
-    qf = _mx_dequant(q_fp[:, 0], q_sf[:, 0])                            # [M, H, D]
+    k = mx_dequant(values[tok], sf[tok])                               # [M, C, D]
+    qf = mx_dequant(q_fp[:, 0], q_sf[:, 0])                            # [M, H, D]
     s = torch.einsum("mhd,mcd->mhc", qf, k).relu_()
     logits = torch.einsum("mhc,mh->mc", s, weights.float())
     keep = (o[None, None, :] < table[..., 1:]).view(m, -1)

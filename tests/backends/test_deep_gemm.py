@@ -1,4 +1,5 @@
-"""Backend selection and DeepGEMM symbol resolution (without a GPU: the error paths)."""
+"""The DeepGEMM backend: symbol resolution across versions, errors (without a GPU: the error
+paths), and the trace-time architecture gate."""
 
 from __future__ import annotations
 
@@ -9,27 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 import jax_dg
-from jax_dg import backends, capability
 from jax_dg.backends import deep_gemm as dg_backend
-from jax_dg.core import op as core_op
-from jax_dg.core.target import Target
-
-
-def test_env_and_context_choose_the_backend(monkeypatch):
-    monkeypatch.setenv(backends.ENV, "torch")
-    assert backends.requested() == "torch"
-    with jax_dg.use_backend("xla"):
-        assert backends.requested() == "xla"
-    monkeypatch.setenv(backends.ENV, "bogus")
-    with pytest.raises(ValueError, match="choose one of"):
-        backends.requested()
-
-
-def test_auto_resolves_per_platform():
-    assert backends.resolve("auto", "cuda") == "deep_gemm"
-    assert backends.resolve("auto", "cpu") == "torch"
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        backends.resolve("deep_gemm", "cpu")
+from jax_dg.core import backend as selection
+from jax_dg.core import device
+from jax_dg.core.device import Target
 
 
 def test_deep_gemm_on_cpu_fails_at_run_time_with_the_reason(keys):
@@ -53,8 +37,8 @@ def test_names_resolve_newest_first_then_legacy(monkeypatch):
     new, old = object(), object()
     monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm(
         fp8_gemm_nt=new, fp8_m_grouped_gemm_nt_masked=old))
-    assert dg_backend.resolve("fp8_gemm_nt") is new
-    assert dg_backend.resolve("m_grouped_fp8_gemm_nt_masked") is old
+    assert dg_backend.lookup("fp8_gemm_nt") is new
+    assert dg_backend.lookup("m_grouped_fp8_gemm_nt_masked") is old
 
 
 def test_legacy_mqa_logits_is_adapted_to_the_tuple_api(monkeypatch):
@@ -65,7 +49,7 @@ def test_legacy_mqa_logits_is_adapted_to_the_tuple_api(monkeypatch):
         return "logits"
 
     monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm(fp8_mqa_logits=legacy))
-    fn = dg_backend.resolve("fp8_fp4_mqa_logits")
+    fn = dg_backend.lookup("fp8_fp4_mqa_logits")
     assert fn(("Q", None), ("K", "S"), "W", "ks", "ke", clean_logits=False, max_seqlen_k=7) == "logits"
     assert seen == {"q": "Q", "clean": False, "msk": 7}
 
@@ -79,16 +63,22 @@ def test_missing_kernel_error_names_it_and_how_to_install(monkeypatch):
     assert "not importable" in str(dg_backend.missing_error("fp8_gemm_nt"))
 
 
-def test_kernels_for_reports_missing_kernels_and_wrong_arch(monkeypatch):
-    from jax_dg.ops.gemm import FP8_GEMM_NT
+def test_namespace_reports_missing_symbols(monkeypatch):
     monkeypatch.setattr(dg_backend, "module", lambda: fake_deep_gemm())
-    monkeypatch.setattr(capability, "arch_family", lambda device=None: "sm90")
-    monkeypatch.setattr(capability, "device_arch", lambda device=None: "sm90")
     with pytest.raises(RuntimeError, match="`fp8_gemm_nt` is unavailable"):
-        dg_backend.kernels_for(FP8_GEMM_NT)
-    sm100_only = types.SimpleNamespace(name="x_sm100", archs=frozenset({"sm100"}), kernels=())
-    with pytest.raises(RuntimeError, match="only on sm100"):
-        dg_backend.kernels_for(sm100_only)
+        dg_backend.namespace(("fp8_gemm_nt",))
+    ns = dg_backend.namespace(())
+    with pytest.raises(RuntimeError, match="`bf16_gemm_nt` is unavailable"):
+        ns.bf16_gemm_nt
+
+
+def test_the_deep_gemm_backend_imports_nothing_of_jax_dg():
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(dg_backend))
+    names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [n for n in names if n and n.startswith("jax_dg")]
 
 
 @pytest.mark.parametrize("gpu", ["sm90", "sm80"])
@@ -96,9 +86,9 @@ def test_no_kernel_on_the_target_gpu_fails_while_tracing(monkeypatch, gpu):
     """An op traced for a GPU where DeepGEMM lacks its kernel raises UnsupportedArchError at trace
     time (not an XLA runtime error later); the references still trace there."""
     family = "sm90" if gpu == "sm90" else gpu
-    monkeypatch.setattr(core_op, "target", lambda: Target(
-        backends.resolve(backends.requested(), "cuda"), "cuda", family, 132))
-    monkeypatch.setattr(capability, "device_arch", lambda device=None: gpu)
+    monkeypatch.setattr(device, "target", lambda: Target(
+        selection.concrete(selection.requested(), "cuda"), "cuda", family, 132))
+    monkeypatch.setattr(device, "arch", lambda device=None: gpu)
     a = (jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 256), jnp.float32))  # [K, M], 1x128
     b = (jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 2), jnp.float32))    # [K, N], 128x128
     x = jnp.zeros((64, 128), jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""DeepGEMM's scale-factor layout helpers and the M/K alignment of contiguous grouped layouts.
+"""DeepGEMM's scale-factor layouts (where a kernel wants its scales, and how they are stored).
 
 JAX arrays have no strides, so where DeepGEMM returns a strided tensor these functions return
 its *physical buffer*: an array whose row-major memory is the storage DeepGEMM's tensor views.
@@ -13,14 +13,15 @@ On a GPU the `@pytest.mark.gpu` tests check them bitwise against deep_gemm's own
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.core.checks import ArgumentError, Checker, align, cdiv
+from jax_dg.contracts import align, cdiv
+from jax_dg.core import device
+from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.quant import ceil_to_ue8m0, pack_ue8m0_to_int
 
 __all__ = [
@@ -28,12 +29,9 @@ __all__ = [
     "get_mn_major_tma_aligned_tensor", "get_col_major_tma_aligned_tensor",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
     "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor", "transform_sf_into_required_layout",
-    "get_mk_alignment_for_contiguous_layout", "set_mk_alignment_for_contiguous_layout",
-    "mk_alignment_scope", "get_theoretical_mk_alignment_for_contiguous_layout",
 ]
 
 F32 = jnp.float32
-LEGACY_MK_ALIGNMENT = 128  # DeepGEMM's kLegacyMKAlignmentForContiguousLayout
 
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:
@@ -64,7 +62,7 @@ def get_mn_major_tma_aligned_tensor(sf: jax.Array) -> jax.Array:
 
 
 def get_col_major_tma_aligned_tensor(x: jax.Array) -> jax.Array:
-    """The seed's name for get_mn_major_tma_aligned_tensor (same physical result)."""
+    """vLLM's wrapper's name for get_mn_major_tma_aligned_tensor (same physical result)."""
     return get_mn_major_tma_aligned_tensor(x)
 
 
@@ -95,7 +93,7 @@ def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
     """K-grouped scales float32 [sum_g K_g / gran_k, MN] (MN-major rows) -> int32
     [sum_g ceil(K_g / gran_k / 4), MN], contiguous: each group packs its own rows 4 per word and
     zero-pads its last word. `ks` (static ints, K_g % gran_k == 0) sizes the groups; `ks_tensor`
-    (DeepGEMM's device copy of ks) is accepted for the seed's signature and not read.
+    (DeepGEMM's device copy of ks) is accepted for vLLM's wrapper's signature and not read.
     Checks as DeepGEMM: at most 128 groups, MN % 4 == 0."""
     ck = Checker("get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor")
     ck.ndim(sf, "sf", 2, "[sum_g K_g / gran_k, MN]")
@@ -124,8 +122,7 @@ def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
 
 
 def _default_arch() -> str:
-    from jax_dg import capability
-    family = capability.arch_family()
+    family = device.family()
     return family if family in ("sm90", "sm100", "sm120") else "sm90"
 
 
@@ -183,98 +180,3 @@ def transform_sf_into_required_layout(sf: jax.Array, mn: int, k: int, recipe, nu
     ck.fail("sf", f"has no DeepGEMM layout transformation on {arch} "
             f"(dtype {jnp.dtype(sf.dtype).name}, gran_mn {gran_mn}, gran_k {gran_k}, "
             f"disable_ue8m0_cast {disable_ue8m0_cast})")
-
-
-# --- M/K alignment of the contiguous grouped layout ------------------------------------------
-
-# The alignment set through jax_dg (None: DeepGEMM's own, else the legacy 128). It is a
-# jit-cache-sensitive context: layouts and the contiguous ops read it while tracing, so a
-# function traced under one alignment is traced again under another instead of reusing stale
-# padding.
-_mk_alignment = jax.make_user_context(default_value=None)
-
-
-def _dg(name: str):
-    from jax_dg.backends import deep_gemm
-    return deep_gemm.resolve(name)
-
-
-def get_mk_alignment_for_contiguous_layout() -> int:
-    """The row alignment of each group in m-grouped contiguous layouts: the value set through
-    jax_dg (`set_mk_alignment_for_contiguous_layout`, `mk_alignment_scope`), else DeepGEMM's
-    when deep_gemm imports, else 128 (DeepGEMM's legacy value). An int, as DeepGEMM returns
-    (vLLM's wrapper returns [value, value])."""
-    if _mk_alignment.value is not None:
-        return _mk_alignment.value
-    fn = _dg("get_mk_alignment_for_contiguous_layout")
-    return int(fn()) if fn is not None else LEGACY_MK_ALIGNMENT
-
-
-def _checked_alignment(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ArgumentError(f"set_mk_alignment_for_contiguous_layout: `value` must be a positive "
-                            f"int, got {value!r}")
-    return value
-
-
-def _set_deep_gemm_alignment(value: int) -> None:
-    fn = _dg("set_mk_alignment_for_contiguous_layout")
-    if fn is not None:
-        fn(value)
-
-
-def set_mk_alignment_for_contiguous_layout(value: int) -> None:
-    """Sets the alignment: DeepGEMM's BLOCK_M cap for m-grouped contiguous GEMMs. Group padding
-    must match the kernel's BLOCK_M: jax_dg's layouts and contiguous ops trace with this value
-    (functions traced before are traced again), and each contiguous op sets DeepGEMM to the
-    value it was traced with before its kernel runs. DeepGEMM's own global is set too, for
-    torch code in the same process."""
-    value = _checked_alignment(value)
-    _mk_alignment.set_global(value)
-    _set_deep_gemm_alignment(value)
-
-
-@contextlib.contextmanager
-def mk_alignment_scope(value: int):
-    """The alignment for the block (functions traced inside use it); restored on exit."""
-    value = _checked_alignment(value)
-    prev_dg = _dg("get_mk_alignment_for_contiguous_layout")
-    prev_dg = int(prev_dg()) if prev_dg is not None else None
-    with _mk_alignment(value):
-        _set_deep_gemm_alignment(value)
-        try:
-            yield
-        finally:
-            if prev_dg is not None:
-                _set_deep_gemm_alignment(prev_dg)
-
-
-def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None,
-                                                       num_groups: int | None = None) -> int:
-    """The alignment DeepGEMM recommends for a grouped call. `expected_m` is the total routed
-    rows (tokens x topk) when `num_groups` (experts on this rank) is given, else per group.
-
-    With deep_gemm: its own answer (older builds take only the per-group m: it is computed as
-    ceil(expected_m / num_groups), as vLLM's wrapper does). Without: DeepGEMM's table for the
-    default device's family: SM100 256; SM120 64 when the per-group m <= 64, else 128; SM90,
-    other GPUs and CPU 128.
-    """
-    if num_groups is not None and num_groups <= 0:
-        raise ArgumentError(f"get_theoretical_mk_alignment_for_contiguous_layout: `num_groups` must be "
-                            f"positive, got {num_groups}")
-    fn = _dg("get_theoretical_mk_alignment_for_contiguous_layout")
-    if fn is not None:
-        if num_groups is None:
-            return int(fn(expected_m))
-        try:
-            return int(fn(expected_m, num_groups))
-        except TypeError:
-            return int(fn(None if expected_m is None else cdiv(expected_m, num_groups)))
-    per_group = expected_m if num_groups is None or expected_m is None else cdiv(expected_m, num_groups)
-    from jax_dg import capability
-    family = capability.arch_family()
-    if family == "sm100":
-        return 256
-    if family == "sm120":
-        return 64 if per_group is not None and per_group <= 64 else 128
-    return LEGACY_MK_ALIGNMENT

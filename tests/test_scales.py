@@ -1,5 +1,5 @@
-"""Layout helpers against torch re-implementations of DeepGEMM's layout rules (CPU) and
-against deep_gemm's own functions, bitwise (GPU); the mk alignment configuration."""
+"""Scale-layout helpers against torch re-implementations of DeepGEMM's layout rules (CPU) and
+against deep_gemm's own functions, bitwise (GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jax_dg
-from jax_dg import layout
+from jax_dg import scales as layout
 from tests.conftest import to_torch
 
 
@@ -212,99 +212,6 @@ def test_tma_aligned_size():
         jax_dg.get_tma_aligned_size(3, 3)
 
 
-# --- mk alignment -------------------------------------------------------------------------------
-
-@pytest.fixture
-def no_deep_gemm(monkeypatch):
-    """The pure-Python path (what runs without deep_gemm), with the value restored after."""
-    monkeypatch.setattr(layout, "_dg", lambda name: None)
-    prev = layout._mk_alignment.get_global()
-    yield
-    layout._mk_alignment.set_global(prev)
-
-
-def test_mk_alignment_get_set_scope(no_deep_gemm):
-    assert jax_dg.get_mk_alignment_for_contiguous_layout() == 128
-    with jax_dg.mk_alignment_scope(256):
-        assert jax_dg.get_mk_alignment_for_contiguous_layout() == 256
-        with jax_dg.mk_alignment_scope(64):
-            assert jax_dg.get_mk_alignment_for_contiguous_layout() == 64
-        assert jax_dg.get_mk_alignment_for_contiguous_layout() == 256
-    assert jax_dg.get_mk_alignment_for_contiguous_layout() == 128
-    with pytest.raises(RuntimeError):
-        with jax_dg.mk_alignment_scope(32):
-            raise RuntimeError("inside")
-    assert jax_dg.get_mk_alignment_for_contiguous_layout() == 128
-    for bad in (0, -128, 1.5, True):
-        with pytest.raises(ValueError):
-            jax_dg.set_mk_alignment_for_contiguous_layout(bad)
-
-
-@pytest.mark.parametrize("family,expected_m,num_groups,want", [
-    (None, None, None, 128), (None, 4096, 8, 128), ("sm90", 100, None, 128),
-    ("sm100", 10, None, 256), ("sm100", 100000, 64, 256),
-    ("sm120", 64, None, 64), ("sm120", 65, None, 128), ("sm120", 512, 8, 64), ("sm120", 520, 8, 128),
-    ("sm120", None, None, 128),
-])
-def test_theoretical_mk_alignment_table_without_deep_gemm(no_deep_gemm, monkeypatch, family,
-                                                          expected_m, num_groups, want):
-    from jax_dg import capability
-    monkeypatch.setattr(capability, "arch_family", lambda device=None: family)
-    assert jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(expected_m, num_groups) == want
-
-
-def test_theoretical_mk_alignment_delegates_with_the_seeds_fallback(monkeypatch):
-    calls = []
-
-    def new_api(expected_m=None, num_groups=None):
-        calls.append(("new", expected_m, num_groups))
-        return 256
-
-    def old_api(expected_m=None):
-        calls.append(("old", expected_m))
-        return 192
-
-    for impl in (new_api, old_api):
-        monkeypatch.setattr(layout, "_dg", lambda name, impl=impl: impl)
-        assert jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(1000) == impl(1000)
-        assert jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(1000, 8) == impl(125)
-    assert ("new", 1000, 8) in calls and ("old", 125) in calls  # TypeError -> per-group m
-    with pytest.raises(ValueError):
-        jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(1000, 0)
-
-
-def test_set_delegates_to_deep_gemm_when_present(monkeypatch):
-    state = {"v": 128}
-    fns = {"get_mk_alignment_for_contiguous_layout": lambda: state["v"],
-           "set_mk_alignment_for_contiguous_layout": lambda v: state.update(v=v)}
-    monkeypatch.setattr(layout, "_dg", fns.get)
-    prev = layout._mk_alignment.get_global()
-    try:
-        with jax_dg.mk_alignment_scope(256):
-            assert state["v"] == 256 and jax_dg.get_mk_alignment_for_contiguous_layout() == 256
-        assert state["v"] == 128 and jax_dg.get_mk_alignment_for_contiguous_layout() == 128
-        jax_dg.set_mk_alignment_for_contiguous_layout(64)
-        assert state["v"] == 64 and jax_dg.get_mk_alignment_for_contiguous_layout() == 64
-    finally:
-        layout._mk_alignment.set_global(prev)
-
-
-def test_alignment_is_part_of_jits_cache_key(no_deep_gemm):
-    """A function jitted once is traced again when the alignment changes (the padding is a static
-    shape): in a scope, after it, and after a global set."""
-    topk = jnp.asarray([[0], [1], [1]], jnp.int32)  # T 3, K 1, G 2
-    f = jax.jit(lambda t: jax_dg.contiguous_layout(t, 2))
-    assert f(topk).grouped_layout.shape == (384,)   # align(3 + 2 * 127, 128)
-    with jax_dg.mk_alignment_scope(256):
-        assert f(topk).grouped_layout.shape == (768,)
-    assert f(topk).grouped_layout.shape == (384,)
-    jax_dg.set_mk_alignment_for_contiguous_layout(64)
-    lay = f(topk)
-    assert lay.grouped_layout.shape == (192,)
-    np.testing.assert_array_equal(np.asarray(lay.group_offsets), [0, 64])
-    np.testing.assert_array_equal(np.asarray(lay.grouped_layout)[[0, 1, 63, 64, 65, 66]], [0, -1, -1, 1, 1, -1])
-
-
 # --- GPU: bitwise against deep_gemm's own functions --------------------------------------------
 
 def _dg_storage(t: torch.Tensor, mn: int) -> np.ndarray:
@@ -342,7 +249,7 @@ def test_gpu_layouts_match_deep_gemm_bitwise(mn, k, groups, with_transpose):
 @pytest.mark.parametrize("mn,recipe,is_sfa", [(300, (1, 128, 128), True), (4096, (1, 128, 128), False)])
 def test_gpu_transform_sf_matches_deep_gemm(mn, recipe, is_sfa):
     import deep_gemm
-    from jax_dg.capability import arch_family
+    from jax_dg.core.device import family as arch_family
     k = 7168
     gran_mn = recipe[0] if is_sfa else recipe[1]
     # powers of two: SM100 packs them into UE8M0 bytes
@@ -377,17 +284,3 @@ def test_gpu_k_grouped_packing_matches_deep_gemm(mn, g, avg_k):
     except RuntimeError as e:  # DeepGEMM asserts SM100 for this packer in some builds
         pytest.skip(f"deep_gemm's k-grouped packer does not run here: {str(e).splitlines()[0]}")
     assert np.asarray(ours).tobytes() == theirs.contiguous().cpu().numpy().tobytes()
-
-
-@pytest.mark.gpu
-def test_gpu_mk_alignment_is_deep_gemms():
-    import deep_gemm
-    from jax_dg.capability import arch_family
-    assert jax_dg.get_mk_alignment_for_contiguous_layout() == deep_gemm.get_mk_alignment_for_contiguous_layout()
-    expected = {"sm90": 128, "sm100": 256}.get(arch_family())
-    got = jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(4096, 8)
-    assert expected is None or got == expected
-    prev = deep_gemm.get_mk_alignment_for_contiguous_layout()
-    with jax_dg.mk_alignment_scope(64):
-        assert deep_gemm.get_mk_alignment_for_contiguous_layout() == 64
-    assert deep_gemm.get_mk_alignment_for_contiguous_layout() == prev

@@ -1,0 +1,116 @@
+"""DeepGEMM's contracts as plain data: sizes, block shapes and buffer layouts.
+
+The one neutral module that the ops (trace time), the torch reference (the backend it checks)
+and the pure-JAX reference (the oracle) all read, so that neither reference borrows a fact
+from the other. Plain Python only: it imports nothing, not even jax.
+"""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+# --- devices ----------------------------------------------------------------------------------
+
+ARCH_FAMILIES = {9: "sm90", 10: "sm100", 12: "sm120"}   # compute-capability major -> family
+DEEP_GEMM_ARCHS = frozenset({"sm90", "sm100"})          # where DeepGEMM has kernels
+EMULATED_ARCH = "sm90"     # the contract the references emulate off the GPU
+DEFAULT_NUM_SMS = 132      # H100 / H200 SXM: what the references schedule for without a GPU
+
+# --- grouped GEMMs ----------------------------------------------------------------------------
+
+LEGACY_MK_ALIGNMENT = 128  # DeepGEMM's kLegacyMKAlignmentForContiguousLayout
+MASKED_BLOCK_M = 128       # SM90 masked kernels: Mmax must be a multiple
+
+# --- hyper-connection pre-norm GEMM -----------------------------------------------------------
+
+HC_BLOCK_K = 64
+
+
+def hc_split_bounds(k: int, num_split: int) -> list[tuple[int, int]]:
+    """K ranges of tf32_hc_prenorm_gemm's splits: whole 64-wide blocks, the remainder going to
+    the first splits (DeepGEMM's rule)."""
+    per, rem = divmod(k // HC_BLOCK_K, num_split)
+    bounds, start = [], 0
+    for s in range(num_split):
+        end = start + per + (s < rem)
+        bounds.append((start * HC_BLOCK_K, end * HC_BLOCK_K))
+        start = end
+    return bounds
+
+
+# --- paged MQA logits -------------------------------------------------------------------------
+
+SPLIT_KV = 256             # tokens per schedule split (SM90 paged kernel)
+MX_HEAD_DIM = 128          # MX scales: four UE8M0 bytes (one int32) per row, one per 32 elements
+
+
+def page_sizes(arch: str) -> tuple[int, ...]:
+    """KV block sizes (tokens) the paged MQA-logits kernels take on `arch`."""
+    return (64,) if arch == "sm120" else (32, 64)
+
+
+def next_n_ok(next_n: int, arch: str) -> bool:
+    """Query rows per request the paged kernel takes: SM90 1, 2 or 4; SM100/SM120 any."""
+    return next_n in (1, 2, 4) if arch == "sm90" else next_n >= 1
+
+
+def schedule_slots(num_sms: int, next_n: int, arch: str, varlen: bool = False) -> int:
+    """Scheduler tasks of the paged kernel: SM90 next_n=4 runs one per 2-SM cluster."""
+    return num_sms // (2 if arch == "sm90" and next_n == 4 and not varlen else 1)
+
+
+# --- sparse MQA logits (SM100 kernels) and the metadata buffer jax_dg hands around ------------
+#
+#   uint8 [ header | backend part ]
+#   header:       int32 vectors, concatenated, padded to META_ALIGN bytes:
+#                   non-paged: ks [M], ke [M], sparse_kv_block_indices [M * nmsb]
+#                   paged:     context_lens [M], sparse_kv_block_indices [M * nmsb]
+#   backend part: DeepGEMM's opaque schedule on SM100, or the references' own table, then zeros.
+#
+# The header lets every backend produce fully defined output (-inf where a column scores no key).
+
+SPARSE_BLOCKS = (8, 16)                                   # sparse_block_kv
+SPARSE_SPLIT_KV = {"float8_e4m3fn": 512, "int8": 640}     # by qk dtype (MXFP8, packed MXFP4)
+META_ALIGN = 256
+
+
+def sparse_header_vectors(paged: bool) -> int:
+    """int32 vectors of length M before the block indices: (ks, ke) or (context_lens,)."""
+    return 1 if paged else 2
+
+
+def sparse_header_used(m: int, nmsb: int, paged: bool) -> int:
+    """Bytes of the header's int32 data (before its padding)."""
+    return 4 * m * (sparse_header_vectors(paged) + nmsb)
+
+
+def sparse_header_bytes(m: int, nmsb: int, paged: bool) -> int:
+    return align(sparse_header_used(m, nmsb, paged), META_ALIGN)
+
+
+def deep_gemm_sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int,
+                                    paged: bool) -> int:
+    """Size of DeepGEMM's sparse schedule (upstream layout/sparse_mqa_logits.cuh)."""
+    per_split = SPARSE_SPLIT_KV[qk_dtype] // sbk
+    s_max = m * cdiv(nmsb, per_split) if paged else cdiv(m, 2) * cdiv(2 * nmsb, per_split)
+    return 16 + s_max * (16 + per_split * 8) + align(s_max, num_sms) * 16
+
+
+def reference_sparse_table_bytes(m: int, nmsb: int, paged: bool) -> int:
+    """The references' backend part: the header's vectors again (non-paged), or an int32
+    [M, nmsb, 2] table of (cache slot, valid tokens) per candidate block (paged)."""
+    return 8 * m * nmsb if paged else sparse_header_used(m, nmsb, paged)
+
+
+def sparse_metadata_bytes(m: int, nmsb: int, sbk: int, qk_dtype: str, num_sms: int,
+                          paged: bool) -> int:
+    backend = max(deep_gemm_sparse_metadata_bytes(m, nmsb, sbk, qk_dtype, num_sms, paged),
+                  reference_sparse_table_bytes(m, nmsb, paged))
+    return sparse_header_bytes(m, nmsb, paged) + backend

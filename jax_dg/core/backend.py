@@ -1,0 +1,71 @@
+"""Backend selection: which implementation runs an op (the backends themselves live in
+jax_dg/backends/, the pure-JAX references in jax_dg/reference/).
+
+`JAX_DG_BACKEND` (read when a function is traced):
+  auto       DeepGEMM on CUDA devices, the torch reference on CPU (default)
+  deep_gemm  DeepGEMM only; an error on CPU
+  torch      the torch reference through the FFI bridge, on any device
+  xla        no custom call: the pure-JAX reference is traced in place of the op
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+
+ENV = "JAX_DG_BACKEND"
+CHOICES = ("auto", "deep_gemm", "torch", "xla")
+
+# A jit-cache-sensitive context: a function traced under one backend is traced again under
+# another instead of reusing the cached trace. (The environment variable is read at trace time
+# only; change it before tracing.)
+_context = jax.make_user_context(default_value=None)
+
+
+def _check(value: str) -> str:
+    value = value.strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"jax_dg backend {value!r}: choose one of {', '.join(CHOICES)}")
+    return value
+
+
+def requested() -> str:
+    """The backend asked for now: the innermost `use_backend`, else $JAX_DG_BACKEND."""
+    value = _context.value
+    return value if value is not None else _check(os.environ.get(ENV, "auto"))
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Selects the backend for functions traced (or called through jit) inside the block.
+
+    The choice is part of jit's cache key, so a function jitted once runs with the backend of
+    the block it is called in.
+    """
+    with _context(_check(name)):
+        yield
+
+
+def concrete(backend: str, platform: str, strict: bool = True) -> str:
+    """The backend that runs on a platform ("cpu" or "cuda"): "deep_gemm" or "torch".
+
+    deep_gemm on a non-CUDA platform raises (strict) or is returned as asked (the call reports it).
+    """
+    if backend == "auto":
+        return "deep_gemm" if platform == "cuda" else "torch"
+    if backend == "deep_gemm" and platform != "cuda" and strict:
+        raise RuntimeError(f"{ENV}=deep_gemm needs a CUDA device; this call runs on {platform}. "
+                           f"Use {ENV}=auto (torch reference on CPU).")
+    return backend
+
+
+def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
+    """The kernel namespace an op's run function receives as `dg`: the resolved DeepGEMM
+    symbols, or the torch reference module (which implements DeepGEMM's API)."""
+    if concrete(backend, platform) == "torch":
+        from jax_dg.backends import torch_ref
+        return torch_ref
+    from jax_dg.backends import deep_gemm
+    return deep_gemm.namespace(symbols)

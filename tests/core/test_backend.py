@@ -1,0 +1,25 @@
+"""Backend selection: JAX_DG_BACKEND, use_backend, and the concrete backend per platform."""
+
+from __future__ import annotations
+
+import pytest
+
+import jax_dg
+from jax_dg.core import backend as selection
+
+
+def test_env_and_context_choose_the_backend(monkeypatch):
+    monkeypatch.setenv(selection.ENV, "torch")
+    assert selection.requested() == "torch"
+    with jax_dg.use_backend("xla"):
+        assert selection.requested() == "xla"
+    monkeypatch.setenv(selection.ENV, "bogus")
+    with pytest.raises(ValueError, match="choose one of"):
+        selection.requested()
+
+
+def test_auto_is_deep_gemm_on_cuda_and_torch_on_cpu():
+    assert selection.concrete("auto", "cuda") == "deep_gemm"
+    assert selection.concrete("auto", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        selection.concrete("deep_gemm", "cpu")

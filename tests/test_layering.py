@@ -1,0 +1,129 @@
+"""The package's layering (jax_dg/__init__.py's docstring): every import, at module level or
+inside a function, goes to the module's own layer or one it may use, and no import cycle exists."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "jax_dg"
+
+OPS_LAYER = {"jax_dg.quant", "jax_dg.scales", "jax_dg.routing", "jax_dg.paged", "jax_dg.indexer",
+             "jax_dg.capability"}
+# layer -> layers its modules may import
+MAY_IMPORT = {
+    "contracts": set(),
+    "backends": {"contracts", "backends"},
+    "reference": {"contracts", "reference"},
+    "core": {"contracts", "backends", "core"},
+    "ops": {"contracts", "backends", "reference", "core", "ops"},
+    "public": {"contracts", "backends", "reference", "core", "ops", "public"},
+}
+LEAVES = {"jax_dg.backends.deep_gemm"}   # import nothing of jax_dg
+
+
+def layer(module: str) -> str:
+    if module in ("jax_dg", "jax_dg.__main__"):
+        return "public"
+    if module == "jax_dg.contracts":
+        return "contracts"
+    if module in OPS_LAYER or module.startswith("jax_dg.ops"):
+        return "ops"
+    for name in ("backends", "reference", "core"):
+        if module == f"jax_dg.{name}" or module.startswith(f"jax_dg.{name}."):
+            return name
+    raise AssertionError(f"{module} is in no layer: add it to the table in jax_dg/__init__.py")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """jax_dg modules a file imports, anywhere in it (`from jax_dg.x import y` counts as
+    jax_dg.x.y when that is a module, else jax_dg.x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "jax_dg"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "jax_dg":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in known else node.module)
+    return {m for m in found if m in known}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(path, set(mods)) - {name} for name, path in mods.items()}
+
+
+def violations(g: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in g.items():
+        for dst in sorted(targets):
+            if dst == "jax_dg" or (src.startswith(dst + ".") and dst in (
+                    "jax_dg.backends", "jax_dg.reference", "jax_dg.core", "jax_dg.ops")):
+                continue  # the package itself (a parent package import is no dependency)
+            if src in LEAVES:
+                bad.append(f"{src} -> {dst}: {src} must import nothing of jax_dg")
+            elif layer(dst) not in MAY_IMPORT[layer(src)]:
+                bad.append(f"{src} ({layer(src)}) -> {dst} ({layer(dst)})")
+    return bad
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_import_goes_downward():
+    assert violations(graph()) == []
+
+
+def test_no_import_cycle():
+    g = graph()
+    # the package __init__ imports everything; submodules importing `jax_dg` itself would close
+    # a loop through it, so none may
+    assert not [src for src, t in g.items() if "jax_dg" in t and src != "jax_dg.__main__"]
+    assert cycles({k: v - {"jax_dg"} for k, v in g.items()}) == []
+
+
+def test_the_checks_catch_what_they_are_for():
+    g = {"jax_dg.contracts": {"jax_dg.core.op"}, "jax_dg.core.op": {"jax_dg.contracts"},
+         "jax_dg.reference.mqa": {"jax_dg.backends.torch_ref"},
+         "jax_dg.backends.deep_gemm": {"jax_dg.contracts"}}
+    assert len(violations(g)) == 3
+    assert cycles(g) == [["jax_dg.contracts", "jax_dg.core.op"]]
