@@ -5,11 +5,15 @@
 // Python callable that jax_dg prepared for this call site. A Python exception becomes an FFI
 // error carrying its message, so the JAX program sees an error and the process lives on.
 //
+// Ops whose call is capture-safe also get a second target whose CUDA handler is declared
+// command-buffer compatible (see JaxDgCudaGraphCall).
+//
 // Two caches keep the hot path to a few dictionary lookups:
 //   sites: the `site` attribute string (op name + static attributes) -> prepared callable;
 //   views: (pointer, dtype, shape, device) -> torch tensor viewing that memory.
 // Both are touched only with the GIL held.
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -35,6 +39,8 @@ nb::object* g_retype = nullptr;   // retype(tensor, xla_dtype: int) -> tensor (f
 auto* g_sites = new std::unordered_map<std::string, nb::object>();
 auto* g_views = new std::unordered_map<std::string, nb::object>();
 constexpr size_t kMaxViews = 4096;  // XLA reuses addresses; bound the cache all the same
+// Handler entries, for tests that prove a replayed CUDA graph calls no Python.
+std::atomic<uint64_t> g_calls{0};
 
 // DLPack type of an XLA element type. FP8 travels as uint8 and is re-typed in Python
 // (`retype`): DLPack's FP8 codes are newer than some torch builds we must load.
@@ -131,6 +137,7 @@ void KeepPythonThreadState() {
 
 ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_view site,
                 ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  g_calls.fetch_add(1, std::memory_order_relaxed);
   if (g_prepare == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jax_dg bridge: called before jax_dg.core.bridge installed its hooks");
@@ -139,16 +146,17 @@ ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_vie
   nb::gil_scoped_acquire gil;
   try {
     const nb::object& fn = Site(site, platform);
-    nb::list ins, outs;
+    nb::tuple ins = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(args.size())));
+    nb::tuple outs = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(rets.size())));
     for (size_t i = 0; i < args.size(); ++i) {
       auto buf = args.get<ffi::AnyBuffer>(i);
       if (!buf.has_value()) return buf.error();
-      ins.append(View(*buf, platform, device));
+      PyTuple_SET_ITEM(ins.ptr(), i, View(*buf, platform, device).release().ptr());
     }
     for (size_t i = 0; i < rets.size(); ++i) {
       auto buf = rets.get<ffi::AnyBuffer>(i);
       if (!buf.has_value()) return buf.error();
-      outs.append(View(**buf, platform, device));
+      PyTuple_SET_ITEM(outs.ptr(), i, View(**buf, platform, device).release().ptr());
     }
     fn(reinterpret_cast<uintptr_t>(stream), device, ins, outs);
   } catch (nb::python_error& e) {
@@ -184,6 +192,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaCall, CudaCall,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+// The same handler declared command-buffer compatible: XLA may run it under stream capture and
+// replay the recorded work without calling it again. Only ops whose call allocates nothing on
+// torch's side and launches the same work every time use it (Op.graph_safe); the CUDA plugin
+// takes no traits at registration, so it is a symbol (and target) of its own.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaGraphCall, CudaCall,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<std::string_view>("site")
+                                  .RemainingArgs()
+                                  .RemainingRets(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 NB_MODULE(_bridge, m) {
   m.doc() = "jax_dg's generic XLA FFI handler (see ffi/bridge.cc)";
   m.def("handlers", []() {
@@ -192,6 +213,13 @@ NB_MODULE(_bridge, m) {
     d["CUDA"] = nb::capsule(reinterpret_cast<void*>(JaxDgCudaCall));
     return d;
   });
+  m.def("graph_handlers", []() {
+    nb::dict d;
+    d["cpu"] = nb::capsule(reinterpret_cast<void*>(JaxDgCpuCall));  // no command buffers on CPU
+    d["CUDA"] = nb::capsule(reinterpret_cast<void*>(JaxDgCudaGraphCall));
+    return d;
+  });
+  m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
   m.def("install", [](nb::object prepare, nb::object retype) {
     delete g_prepare;
     delete g_retype;

@@ -46,7 +46,9 @@ def mn_major_logical(physical: jax.Array, mn: int) -> jax.Array:
     return physical[..., :mn].swapaxes(-1, -2)
 
 
-def _mn_major_physical(sf: jax.Array) -> jax.Array:
+def mn_major_physical(sf: jax.Array) -> jax.Array:
+    """The physical buffer [..., K', align(MN, 4)] of logical [..., MN, K'] scales stored
+    MN-major and TMA-aligned (padding columns 0); the inverse of mn_major_logical."""
     mn = sf.shape[-2]
     pad = [(0, 0)] * (sf.ndim - 1) + [(0, get_tma_aligned_size(mn, 4) - mn)]
     return jnp.pad(sf.swapaxes(-1, -2), pad)
@@ -58,7 +60,7 @@ def get_mn_major_tma_aligned_tensor(sf: jax.Array) -> jax.Array:
     ck = Checker("get_mn_major_tma_aligned_tensor")
     ck.dtype(sf, "sf", F32)
     ck.that(sf.ndim in (2, 3), "sf", "must be 2-D [MN, K'] or 3-D [B, MN, K']", tuple(sf.shape))
-    return _mn_major_physical(sf)
+    return mn_major_physical(sf)
 
 
 def get_col_major_tma_aligned_tensor(x: jax.Array) -> jax.Array:
@@ -85,7 +87,7 @@ def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: jax.Array) -> jax.Array:
     ck = Checker("get_mn_major_tma_aligned_packed_ue8m0_tensor")
     ck.dtype(sf, "sf", F32)
     ck.that(sf.ndim in (2, 3), "sf", "must be 2-D [MN, K'] or 3-D [B, MN, K']", tuple(sf.shape))
-    return _mn_major_physical(_pack_rows(sf))
+    return mn_major_physical(_pack_rows(sf))
 
 
 def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
@@ -168,15 +170,15 @@ def transform_sf_into_required_layout(sf: jax.Array, mn: int, k: int, recipe, nu
             tuple(sf.shape))
     sm90_rules = arch == "sm90" or disable_ue8m0_cast
     if is_f32 and gran_mn == 1 and gran_k == 128 and sm90_rules:
-        return _mn_major_physical(sf)
+        return mn_major_physical(sf)
     if is_f32 and gran_mn == 128 and gran_k == 128 and sm90_rules:
         return sf
     if is_f32 and gran_k in (32, 128) and not sm90_rules:
         if gran_mn != 1:
             sf = jnp.take(sf, jnp.arange(mn) // gran_mn, axis=-2)
-        return _mn_major_physical(_pack_rows(sf))
+        return mn_major_physical(_pack_rows(sf))
     if not is_f32 and gran_mn == 1 and gran_k in (32, 128) and arch != "sm90":
-        return _mn_major_physical(sf)  # DeepGEMM takes it as is: already MN-major and aligned
+        return mn_major_physical(sf)  # DeepGEMM takes it as is: already MN-major and aligned
     ck.fail("sf", f"has no DeepGEMM layout transformation on {arch} "
             f"(dtype {jnp.dtype(sf.dtype).name}, gran_mn {gran_mn}, gran_k {gran_k}, "
             f"disable_ue8m0_cast {disable_ue8m0_cast})")

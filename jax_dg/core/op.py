@@ -11,12 +11,18 @@
         aliases={"c": 0},                     # input that XLA may donate to output 0
         archs=frozenset({"sm90", "sm100"}),   # where DeepGEMM has the kernel
         arg_archs={},                         # arguments whose kernel form needs other archs
+        graph_safe=frozenset({"sm90"}),       # where the call may be captured into a CUDA graph
     )
 
 `run` is written against DeepGEMM's own API: `dg` is either the resolved DeepGEMM symbols
 (CUDA) or jax_dg's torch reference of the same contract (CPU, or any device when asked), so one
 function serves both. Absent optional arguments reach it as None; static attributes arrive as
 they were given (tuples stay tuples).
+
+`graph_safe` names where `run` allocates nothing on torch's side and launches the same work on
+every call (DeepGEMM architectures, or "torch" for the torch reference): there the op lowers to
+the command-buffer-compatible target, so XLA may capture it into a CUDA graph (see
+jax_dg.core.bridge). Everywhere else it keeps the plain handler.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Op:
     aliases: Mapping[str, int] = dataclasses.field(default_factory=dict)
     archs: frozenset[str] = contracts.DEEP_GEMM_ARCHS
     arg_archs: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    graph_safe: frozenset[str] = frozenset()
     ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
 
     def __post_init__(self):
@@ -54,6 +61,11 @@ class Op:
         for arg in given:
             archs = archs & self.arg_archs.get(arg, archs)
         return archs
+
+    def captures(self, t: device.Target) -> bool:
+        """Whether a call traced for `t` uses the command-buffer-compatible target."""
+        return (t.backend == "deep_gemm" and t.platform == "cuda" and t.arch in self.graph_safe) \
+            or (t.backend == "torch" and "torch" in self.graph_safe)
 
     def gate(self, given: Sequence[str] = ()) -> None:
         """Raises UnsupportedArchError while tracing when DeepGEMM is the target and has no
@@ -80,13 +92,14 @@ class Op:
             return outs if isinstance(outs, tuple) else (outs,)
         given = [n for n, a in zip(self.args, arrays) if a is not None]
         self.gate(given)
+        graph = self.captures(device.target())
         present = "".join("0" if a is None else "1" for a in arrays)
         index = {n: i for i, n in enumerate(given)}
         aliases = {index[n]: o for n, o in self.aliases.items() if n in index}
-        site = bridge.encode_site(self.name, backend, present, static)
+        site = bridge.encode_site(self.name, backend, present, static, graph)
         # vmap: one call per batch element until batching rules derive from the record.
-        fn = jax.ffi.ffi_call(self.ffi_name, out_types, input_output_aliases=aliases,
-                              vmap_method="sequential")
+        fn = jax.ffi.ffi_call(self.ffi_name + (bridge.GRAPH_SUFFIX if graph else ""), out_types,
+                              input_output_aliases=aliases, vmap_method="sequential")
         return tuple(fn(*(a for a in arrays if a is not None), site=site))
 
 

@@ -38,6 +38,73 @@ def torch_stream(stream: int, device: int) -> tuple[int, int, int]:
     return (s.stream_id, s.device_index, s.device_type)
 
 
+# --- capture safety -------------------------------------------------------------------------
+
+class CaptureAllocationError(RuntimeError):
+    """A graph-safe op's call allocated torch memory while XLA was capturing it into a CUDA
+    graph: the replayed graph would keep using memory torch has freed."""
+
+
+# Captured and eager entries of graph-safe call sites (what the capture tests and the
+# benchmark read).
+CAPTURE_STATS = {"captured": 0, "eager": 0}
+
+
+def is_capturing(platform: str) -> bool:
+    """Whether the call runs under stream capture (torch's current stream, set to XLA's)."""
+    return platform == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+
+def allocations(platform: str) -> int:
+    """Blocks torch's caching allocator has handed out so far on the current device."""
+    if platform != "cuda":
+        return 0
+    stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
+    return stats["allocation"]["all"]["allocated"]
+
+
+def capture_guard(op_name: str, platform: str, run):
+    """`run` guarded for capture: under stream capture, an allocation by torch's allocator
+    raises CaptureAllocationError naming the op (the kernels it launched would be replayed on
+    freed memory). Outside capture it costs one query of the stream's capture state."""
+    def guarded(ins, outs):
+        if not is_capturing(platform):
+            CAPTURE_STATS["eager"] += 1
+            return run(ins, outs)
+        CAPTURE_STATS["captured"] += 1
+        before = allocations(platform)
+        run(ins, outs)
+        if allocations(platform) != before:
+            raise CaptureAllocationError(
+                f"jax_dg: `{op_name}` allocated torch memory while XLA captured it into a CUDA "
+                "graph; the replay would reuse freed memory. This op is declared graph-safe "
+                "(Op.graph_safe) and must not allocate: report it, and run with "
+                "XLA_FLAGS=--xla_gpu_enable_command_buffer= meanwhile.")
+    return guarded
+
+
+# --- scales as DeepGEMM wants them: MN-major, TMA-aligned views of XLA buffers --------------
+
+_MN_MAJOR: dict = {}
+
+
+def mn_major_view(physical: torch.Tensor, mn: int) -> torch.Tensor:
+    """The logical [(G,) MN, K'] scales DeepGEMM's get_mn_major_tma_aligned_tensor returns as
+    they are (no allocation, no transpose): a strided view of the physical buffer
+    [(G,) K', align(MN, 4)] built in the jitted program (jax_dg.scales)."""
+    key = (physical.data_ptr(), tuple(physical.shape), mn)
+    view = _MN_MAJOR.get(key)
+    if view is None:
+        *g, k, amn = physical.shape
+        size, stride = (mn, k), (1, amn)
+        if g:
+            size, stride = (g[0], mn, k), (k * amn, 1, amn)
+        if len(_MN_MAJOR) >= 4096:
+            _MN_MAJOR.clear()
+        view = _MN_MAJOR[key] = physical.as_strided(size, stride)
+    return view
+
+
 # --- output cleaning: -inf at invalid positions, fused with the copy out --------------------
 
 _COLUMNS: dict = {}

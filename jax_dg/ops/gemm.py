@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg import contracts
-from jax_dg.contracts import cdiv
+from jax_dg.contracts import align, cdiv
+from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.reference import gemm as ref
+from jax_dg.scales import mn_major_logical, mn_major_physical
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -75,7 +77,25 @@ def _check_operands(ck: Checker, a, b, storage: str, dtype) -> tuple[int, int, i
 # [K, M] or [K, N] is MN-major, so nn / tn / tt run through DeepGEMM on SM100 only. On SM90 call
 # fp8_gemm_nt on transposed arrays (XLA transposes them), or use JAX_DG_BACKEND=torch / xla.
 
-def _fp8_rule(storage: str):
+def _mn_major(storage: str, recipe) -> tuple[bool, bool]:
+    """Which scales reach the op as MN-major physical buffers (jax_dg.scales.mn_major_physical):
+    on nt, the per-token a's and per-channel b's, which DeepGEMM's SM90 kernels read MN-major and
+    TMA-aligned. Built in the jitted program, DeepGEMM takes them as they are and allocates
+    nothing (what makes the call capture-safe)."""
+    return storage == "nt", storage == "nt" and recipe == RECIPE_CHANNEL
+
+
+def _sf_rule(ck: Checker, sf, arg: str, mn: int, kb: int, gran_mn: int, transposed: bool,
+             physical: bool, k_rule: str, mn_name: str) -> None:
+    if physical:
+        ck.tensor(sf, arg, [F32], (kb, align(mn, 4)),
+                  f"[{k_rule}, align({mn_name}, 4)] (MN-major physical, jax_dg.scales.mn_major_physical)")
+    else:
+        ck.tensor(sf, arg, [F32], _grid(cdiv(mn, gran_mn), kb, transposed),
+                  _grid_rule(transposed, f"ceil({mn_name}/{gran_mn})", k_rule))
+
+
+def _fp8_rule(storage: str, physical: bool = True):
     def rule(a, sfa, b, sfb, c, *, out_dtype, recipe):
         ck = Checker(f"fp8_gemm_{storage}")
         ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)} on SM90", recipe)
@@ -83,10 +103,9 @@ def _fp8_rule(storage: str):
         a_t, b_n = _transposed(storage)
         m, n, k = _check_operands(ck, a, b, storage, FP8)
         ck.that(k % 16 == 0, "a[0]", "must have K % 16 == 0 (16-byte rows for TMA)", k)
-        ck.tensor(sfa, "a[1]", [F32], _grid(cdiv(m, gm), cdiv(k, gk), a_t),
-                  _grid_rule(a_t, f"ceil(M/{gm})", f"ceil(K/{gk})"))
-        ck.tensor(sfb, "b[1]", [F32], _grid(cdiv(n, gn), cdiv(k, gk), b_n),
-                  _grid_rule(b_n, f"ceil(N/{gn})", f"ceil(K/{gk})"))
+        phys_a, phys_b = _mn_major(storage, recipe) if physical else (False, False)
+        _sf_rule(ck, sfa, "a[1]", m, cdiv(k, gk), gm, a_t, phys_a, f"ceil(K/{gk})", "M")
+        _sf_rule(ck, sfb, "b[1]", n, cdiv(k, gk), gn, b_n, phys_b, f"ceil(K/{gk})", "N")
         ck.that(out_dtype == OUT_DTYPE[recipe], "out_dtype",
                 f"must be {OUT_DTYPE[recipe]} with recipe {recipe}", out_dtype)
         align_n = 8 if out_dtype == "bfloat16" else 4
@@ -107,6 +126,11 @@ def _fp8_run(storage: str):
     name = f"fp8_gemm_{storage}"
 
     def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe):
+        phys_a, phys_b = _mn_major(storage, recipe)
+        if phys_a:
+            sfa = rt.mn_major_view(sfa, a.shape[0])
+        if phys_b:
+            sfb = rt.mn_major_view(sfb, b.shape[0])
         getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe)
     return run
 
@@ -115,6 +139,11 @@ def _fp8_reference(storage: str):
     a_t, b_n = _transposed(storage)
 
     def reference(a, sfa, b, sfb, c, *, out_dtype, recipe):
+        phys_a, phys_b = _mn_major(storage, recipe)
+        if phys_a:
+            sfa = mn_major_logical(sfa, a.shape[0])
+        if phys_b:
+            sfb = mn_major_logical(sfb, b.shape[0])
         if a_t:
             a, sfa = a.T, sfa.T
         if b_n:
@@ -134,6 +163,8 @@ FP8_GEMM = {
         aliases={"c": 0},
         # SM90 reads FP8 operands K-major only (see above)
         archs=contracts.DEEP_GEMM_ARCHS if storage == "nt" else frozenset({"sm100"}),
+        # SM90 with MN-major scales allocates nothing (SM100 re-packs fp32 scales into UE8M0)
+        graph_safe=frozenset({"sm90"}) if storage == "nt" else frozenset(),
     )
     for storage in STORAGES
 }
@@ -155,6 +186,11 @@ def _fp8_public(storage: str, doc: str):
             recipe = infer_recipe(n, sfb.shape[::-1] if b_n else sfb.shape)
         recipe = tuple(int(r) for r in recipe)
         out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
+        phys_a, phys_b = _mn_major(storage, recipe)
+        if phys_a or phys_b:   # check what the caller gave, then hand the kernel its layout
+            _fp8_rule(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
+            sfa = mn_major_physical(sfa) if phys_a else sfa
+            sfb = mn_major_physical(sfb) if phys_b else sfb
         (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
         return d
     fn.__name__ = fn.__qualname__ = name
@@ -229,7 +265,9 @@ def _bf16_op(family: str, storage: str) -> Op:
     name = f"{family}_{storage}"
     return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, storage, family == "bf16_gemm"),
               run=_bf16_run(name), reference=_bf16_reference(storage), symbols=(name,),
-              aliases={"c": 0})
+              aliases={"c": 0},
+              # no scales, no scratch (cuBLASLt's workspace is DeepGEMM's, made once at start-up)
+              graph_safe=contracts.DEEP_GEMM_ARCHS)
 
 
 BF16_GEMM = {storage: _bf16_op("bf16_gemm", storage) for storage in STORAGES}

@@ -14,10 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.contracts import cdiv
+from jax_dg.contracts import align, cdiv
+from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.routing import get_mk_alignment_for_contiguous_layout
+from jax_dg.scales import mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -29,8 +31,10 @@ I32 = jnp.int32
 MK_ALIGNMENT = 128
 
 
-def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool, mk_alignment: int = 0):
-    """Checks the operands of an m-grouped GEMM; returns (G, M or Mmax, N, K)."""
+def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool, mk_alignment: int = 0,
+                        physical: bool = True):
+    """Checks the operands of an m-grouped GEMM; returns (G, M or Mmax, N, K). a's FP8 scales
+    reach the op as their MN-major physical buffer (`physical`; see _fp8_operands)."""
     an, bn = ("a[0]", "b[0]") if fp8 else ("a", "b")
     ck.ndim(a, an, 3 if masked else 2, "[G, Mmax, K]" if masked else "[M, K]")
     ck.ndim(b, bn, 3, "[G, N, K]")
@@ -44,8 +48,13 @@ def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool,
     ck.that(n % 8 == 0, bn, "must have N % 8 == 0 (16-byte rows of the bfloat16 d)", n)
     if fp8:
         ck.that(k % 16 == 0, an, "must have K % 16 == 0 (16-byte rows for TMA)", k)
-        ck.tensor(sfa, "a[1]", [F32], (*a.shape[:-1], cdiv(k, 128)),
-                  "[G, Mmax, ceil(K/128)]" if masked else "[M, ceil(K/128)]")
+        if physical:
+            ck.tensor(sfa, "a[1]", [F32], (*a.shape[:-2], cdiv(k, 128), align(m, 4)),
+                      ("[G, ceil(K/128), align(Mmax, 4)]" if masked else "[ceil(K/128), align(M, 4)]")
+                      + " (MN-major physical, jax_dg.scales.mn_major_physical)")
+        else:
+            ck.tensor(sfa, "a[1]", [F32], (*a.shape[:-1], cdiv(k, 128)),
+                      "[G, Mmax, ceil(K/128)]" if masked else "[M, ceil(K/128)]")
         ck.tensor(sfb, "b[1]", [F32], (g, cdiv(n, 128), cdiv(k, 128)), "[G, ceil(N/128), ceil(K/128)]")
     else:
         ck.that(k % 64 == 0, an, "must have K % 64 == 0 (DeepGEMM's BF16 grouped kernels)", k)
@@ -58,6 +67,18 @@ def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool,
                 f"must have M % {mk_alignment} == 0 (every group's rows padded to a multiple of "
                 f"get_mk_alignment_for_contiguous_layout() = {mk_alignment})", m)
     return g, m, n, k
+
+
+def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
+    """a's per-token scales as the op takes them: checked as the caller gave them, then their
+    MN-major physical buffer, which DeepGEMM's SM90 kernels read as they are (no allocation,
+    no transpose of its own: what makes the call capture-safe)."""
+    _m_grouped_operands(ck, a, sfa, b, sfb, fp8=True, masked=masked, physical=False,
+                        mk_alignment=1 if masked else get_mk_alignment_for_contiguous_layout())
+    return mn_major_physical(sfa)
+
+
+SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
 
 
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
@@ -81,7 +102,8 @@ def _use_alignment(dg, mk_alignment):
 
 def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment):
     _use_alignment(dg, mk_alignment)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, grouped_layout)
+    dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
+                                        grouped_layout)
 
 
 M_GROUPED_FP8_CONTIGUOUS = Op(
@@ -89,8 +111,10 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
     rule=_contiguous_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_contiguous_run,
-    reference=ref.m_grouped_fp8_gemm_nt_contiguous,
+    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment: ref.m_grouped_fp8_gemm_nt_contiguous(
+        a, mn_major_logical(sfa, a.shape[0]), b, sfb, layout, mk_alignment=mk_alignment),
     symbols=("m_grouped_fp8_gemm_nt_contiguous",),
+    graph_safe=SM90,
 )
 
 _bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
@@ -109,6 +133,7 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
     run=_bf16_contiguous_run,
     reference=ref.m_grouped_bf16_gemm_nt_contiguous,
     symbols=("m_grouped_bf16_gemm_nt_contiguous",),
+    graph_safe=SM90,
 )
 
 
@@ -147,6 +172,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
     ck.ndim(bv, "b[0]", 3, "[G, N, K]")
+    sfa = _fp8_scales(ck, av, sfa, bv, sfb, masked=False)
     return _contiguous(M_GROUPED_FP8_CONTIGUOUS, ck, (av, sfa, bv, sfb), bv.shape[0],
                        grouped_layout, clean)
 
@@ -174,7 +200,8 @@ def _masked_rule(name: str, fp8: bool):
 
 
 def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m):
-    dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)
+    dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
+                                    expected_m)
 
 
 M_GROUPED_FP8_MASKED = Op(
@@ -182,8 +209,10 @@ M_GROUPED_FP8_MASKED = Op(
     args=("a", "sfa", "b", "sfb", "masked_m"),
     rule=_masked_rule("m_grouped_fp8_gemm_nt_masked", fp8=True),
     run=_fp8_masked_run,
-    reference=ref.m_grouped_fp8_gemm_nt_masked,
+    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m: ref.m_grouped_fp8_gemm_nt_masked(
+        a, mn_major_logical(sfa, a.shape[1]), b, sfb, masked_m, expected_m=expected_m),
     symbols=("m_grouped_fp8_gemm_nt_masked",),
+    graph_safe=SM90,
 )
 
 _bf16_masked_rule = _masked_rule("m_grouped_bf16_gemm_nt_masked", fp8=False)
@@ -201,6 +230,7 @@ M_GROUPED_BF16_MASKED = Op(
     run=_bf16_masked_run,
     reference=ref.m_grouped_bf16_gemm_nt_masked,
     symbols=("m_grouped_bf16_gemm_nt_masked",),
+    graph_safe=SM90,
 )
 
 
@@ -235,6 +265,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
     ck.ndim(av, "a[0]", 3, "[G, Mmax, K]")
+    sfa = _fp8_scales(ck, av, sfa, bv, sfb, masked=True)
     return _masked(M_GROUPED_FP8_MASKED, ck, (av, sfa, bv, sfb), av.shape[1], masked_m, expected_m,
                    clean)
 
