@@ -30,7 +30,7 @@ from jax_dg.capability import (
 )
 from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
-from jax_dg.core.checks import ArgumentError, UnsupportedArchError
+from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
 from jax_dg.indexer import (
     causal_ks_ke,
     fold_q_scale,
@@ -62,6 +62,7 @@ from jax_dg.ops.grouped import (
     m_grouped_fp8_gemm_nt_masked,
 )
 from jax_dg.ops.hyperconnection import tf32_hc_prenorm_gemm
+from jax_dg.ops.linear import fp8_grouped_linear, fp8_linear
 from jax_dg.ops.mhc import mega_mhc
 from jax_dg.ops.moe_gate import bf16_mega_gate
 from jax_dg.ops.mqa import (

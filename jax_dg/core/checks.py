@@ -17,6 +17,11 @@ class UnsupportedArchError(RuntimeError):
     JAX_DG_BACKEND=torch or xla runs its reference instead)."""
 
 
+class NotDifferentiableError(TypeError):
+    """jax.grad / jvp / vjp reached a jax_dg op that has no derivative rule (raised while
+    tracing, naming the op and what is differentiable instead)."""
+
+
 class Checker:
     """Collects the checks of one op call; `fail` raises ArgumentError("op: `arg` rule, got ...")."""
 

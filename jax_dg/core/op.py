@@ -35,7 +35,10 @@ import jax
 from jax_dg import contracts
 from jax_dg.core import backend as selection
 from jax_dg.core import bridge, device
-from jax_dg.core.checks import UnsupportedArchError
+from jax_dg.core.checks import NotDifferentiableError, UnsupportedArchError
+
+DIFFERENTIABLE = ("bf16_gemm_{nt,nn,tn,tt}", "cublaslt_gemm_{nt,nn,tn,tt}", "fp8_linear",
+                  "fp8_grouped_linear")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,6 +53,9 @@ class Op:
     archs: frozenset[str] = contracts.DEEP_GEMM_ARCHS
     arg_archs: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
     graph_safe: frozenset[str] = frozenset()
+    # Reverse-mode rule: (inputs {name: array or None}, output cotangents, **static) ->
+    # {name: input cotangent}; absent names get zeros. None: differentiating raises.
+    vjp: Callable[..., Mapping[str, Any]] | None = None
     ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
 
     def __post_init__(self):
@@ -100,7 +106,38 @@ class Op:
         # vmap: one call per batch element until batching rules derive from the record.
         fn = jax.ffi.ffi_call(self.ffi_name + (bridge.GRAPH_SUFFIX if graph else ""), out_types,
                               input_output_aliases=aliases, vmap_method="sequential")
-        return tuple(fn(*(a for a in arrays if a is not None), site=site))
+
+        def call(*xs):
+            return tuple(fn(*xs, site=site))
+        call = self._with_vjp(call, given, static) if self.vjp else self._without_derivative(call)
+        return call(*(a for a in arrays if a is not None))
+
+    def _without_derivative(self, call):
+        """`call`, raising NotDifferentiableError (not JAX's generic FFI error) when differentiated."""
+        f = jax.custom_jvp(call)
+        name = self.name
+
+        def jvp(primals, tangents):
+            raise NotDifferentiableError(
+                f"jax_dg: `{name}` has no derivative rule. Differentiable jax_dg functions: "
+                f"{', '.join(DIFFERENTIABLE)}; or trace the pure-JAX reference with "
+                "jax_dg.use_backend('xla') (JAX_DG_BACKEND=xla), which JAX differentiates.")
+        f.defjvp(jvp)
+        return f
+
+    def _with_vjp(self, call, names: list[str], static: dict):
+        """`call` with the record's reverse-mode rule (inputs are saved; outputs are not)."""
+        f = jax.custom_vjp(call)
+        rule = self.vjp
+
+        def fwd(*xs):
+            return call(*xs), xs
+
+        def bwd(xs, cts):
+            grads = rule(dict(zip(names, xs)), cts, **static)
+            return tuple(_cotangent(x, grads.get(n)) for n, x in zip(names, xs))
+        f.defvjp(fwd, bwd)
+        return f
 
 
 def exposes(*ops: Op):
@@ -110,3 +147,12 @@ def exposes(*ops: Op):
         fn.__jax_dg_ops__ = ops
         return fn
     return mark
+
+
+def _cotangent(x, g):
+    """The cotangent JAX wants for input x: g, zeros where none was computed, float0 for
+    integer inputs."""
+    import numpy as np
+    if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jax.numpy.zeros_like(x) if g is None else g.astype(x.dtype)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax_dg import contracts
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import runtime as rt
-from jax_dg.core.checks import Checker
+from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.reference import gemm as ref
 from jax_dg.scales import mn_major_logical, mn_major_physical
@@ -261,13 +261,51 @@ def _bf16_reference(storage: str):
     return reference
 
 
+def _product(family: str, x, x_t: bool, y, y_n: bool, out_dtype: str):
+    """X @ Y for X stored as x ([P, R], or [R, P] when x_t) and Y as y ([R, Q] when y_n, else
+    [Q, R]), on `family`'s kernel in the matching storage; cuBLASLt where DeepGEMM's BF16
+    kernel cannot take the shape (its K % 64 / 16-byte row rules)."""
+    storage = ("t" if x_t else "n") + ("n" if y_n else "t")
+    ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
+    try:
+        ops[storage].rule(x, y, None, out_dtype=out_dtype)
+    except ArgumentError:
+        ops = CUBLASLT_GEMM
+    return ops[storage](x, y, None, out_dtype=out_dtype)[0]
+
+
+def _bf16_vjp(family: str, storage: str):
+    """d = A @ B (+ c), A = op(a), B = op(b): dA = dD @ B^T, dB = A^T @ dD, dc = dD, each
+    computed in the storage a and b have (the other storages' kernels; bf16 operands)."""
+    a_t, b_n = _transposed(storage)
+
+    def vjp(inputs, cts, *, out_dtype):
+        a, b, c = inputs["a"], inputs["b"], inputs.get("c")
+        (dd,) = cts
+        g = dd.astype(BF16)
+        if a_t:   # a stored [K, M]: its cotangent is B @ dD^T
+            da = _product(family, b, not b_n, g, False, "float32")
+        else:     # dD @ B^T
+            da = _product(family, g, False, b, not b_n, "float32")
+        if b_n:   # b stored [K, N]: A^T @ dD
+            db = _product(family, a, not a_t, g, True, "float32")
+        else:     # b stored [N, K]: dD^T @ A
+            db = _product(family, g, True, a, not a_t, "float32")
+        grads = {"a": da, "b": db}
+        if c is not None:
+            grads["c"] = dd
+        return grads
+    return vjp
+
+
 def _bf16_op(family: str, storage: str) -> Op:
     name = f"{family}_{storage}"
     return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, storage, family == "bf16_gemm"),
               run=_bf16_run(name), reference=_bf16_reference(storage), symbols=(name,),
               aliases={"c": 0},
               # no scales, no scratch (cuBLASLt's workspace is DeepGEMM's, made once at start-up)
-              graph_safe=contracts.DEEP_GEMM_ARCHS)
+              graph_safe=contracts.DEEP_GEMM_ARCHS,
+              vjp=_bf16_vjp(family, storage))
 
 
 BF16_GEMM = {storage: _bf16_op("bf16_gemm", storage) for storage in STORAGES}

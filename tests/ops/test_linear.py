@@ -1,0 +1,113 @@
+"""Autodiff: fp8_linear and fp8_grouped_linear (DeepSeek V3's FP8 recipe, backward on
+DeepGEMM's kernels), the bf16 GEMMs' rules, and the error for everything else."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dg
+
+F32 = jnp.float32
+
+
+def linear_case(keys, lead=(2, 100), n=256, k=384, x_dtype=jnp.bfloat16):
+    x = jax.random.normal(keys(), (*lead, k), F32).astype(x_dtype)
+    w = jax.random.normal(keys(), (n, k), F32) * 0.05
+    up = jax.random.normal(keys(), (*lead, n), F32)
+    return x, w, up
+
+
+def grads(fn, *args):
+    return jax.jit(jax.grad(fn, tuple(range(len(args)))))(*args)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, F32])
+def test_fp8_linear_grads_match_dense_math(keys, x_dtype):
+    x, w, up = linear_case(keys, x_dtype=x_dtype)
+    y = jax.jit(jax_dg.fp8_linear)(x, w)
+    assert y.shape == (2, 100, 256) and y.dtype == jnp.bfloat16
+    assert jax_dg.calc_diff(y.astype(F32), x.astype(F32) @ w.T) < 2e-3
+    loss = lambda x, w: ((jax_dg.fp8_linear(x, w).astype(F32) * up) ** 2).sum()   # noqa: E731
+    dense = lambda x, w: (((x.astype(F32) @ w.T) * up) ** 2).sum()                # noqa: E731
+    (dx, dw), (rx, rw) = grads(loss, x, w), grads(dense, x, w)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert jax_dg.calc_diff(dx.astype(F32), rx) < 2e-3
+    assert jax_dg.calc_diff(dw, rw) < 2e-3
+
+
+def test_fp8_linear_backward_is_jax_dg_custom_calls(keys):
+    x, w, up = linear_case(keys)
+    loss = lambda x, w: ((jax_dg.fp8_linear(x, w).astype(F32) * up) ** 2).sum()   # noqa: E731
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
+    assert "dot_general" not in hlo and " dot(" not in hlo       # no XLA GEMM on dequantised values
+    assert hlo.count("jax_dg_fp8_gemm_nt") == 3                  # forward, dgrad, wgrad
+
+
+def test_fp8_grouped_linear_grads_match_dense_math(keys):
+    g, m, n, k = 3, 128, 256, 256
+    x = jax.random.normal(keys(), (g, m, k), jnp.bfloat16)
+    w = jax.random.normal(keys(), (g, n, k), F32) * 0.05
+    masked_m = jnp.array([100, 0, 128], jnp.int32)
+    up = jax.random.normal(keys(), (g, m, n), F32)
+    rows = jnp.arange(m)[None, :, None] < masked_m[:, None, None]
+    loss = lambda x, w: ((jax_dg.fp8_grouped_linear(x, w, masked_m, 64).astype(F32) * up) ** 2).sum()  # noqa: E731
+    dense = lambda x, w: (((jnp.einsum("gmk,gnk->gmn", x.astype(F32), w) * rows) * up) ** 2).sum()  # noqa: E731
+    (dx, dw), (rx, rw) = grads(loss, x, w), grads(dense, x, w)
+    assert jax_dg.calc_diff(dx.astype(F32), rx) < 2e-3 and jax_dg.calc_diff(dw, rw) < 2e-3
+    assert not np.asarray(dx[0, 100:]).any() and not np.asarray(dx[1]).any()   # masked rows: no gradient
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
+    assert "dot_general" not in hlo
+    assert "jax_dg_m_grouped_fp8_gemm_nt_masked" in hlo and "jax_dg_k_grouped_fp8_gemm_nt_contiguous" in hlo
+
+
+@pytest.mark.parametrize("family", ["bf16_gemm", "cublaslt_gemm"])
+@pytest.mark.parametrize("storage", ["nt", "nn", "tn", "tt"])
+def test_bf16_gemm_grads_match_dense_math(keys, family, storage):
+    a_t, b_n = storage[0] == "t", storage[1] == "n"
+    m, n, k = 128, 192, 256
+    a = jax.random.normal(keys(), (k, m) if a_t else (m, k), jnp.bfloat16)
+    b = jax.random.normal(keys(), (k, n) if b_n else (n, k), jnp.bfloat16)
+    c = jax.random.normal(keys(), (m, n), F32)
+    up = jax.random.normal(keys(), (m, n), F32)
+    fn = getattr(jax_dg, f"{family}_{storage}")
+    loss = lambda a, b, c: ((fn(a, b, c=c, out_dtype=F32)) * up).sum()   # noqa: E731
+
+    def dense(a, b, c):
+        A = (a.T if a_t else a).astype(F32)
+        B = (b if b_n else b.T).astype(F32)
+        return ((A @ B + c) * up).sum()
+    for got, want in zip(grads(loss, a, b, c), grads(dense, a, b, c)):
+        assert got.dtype == want.dtype or got.dtype == jnp.bfloat16
+        assert jax_dg.calc_diff(got.astype(F32), want.astype(F32)) < 1e-4
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(a, b, c).as_text()
+    assert "dot_general" not in hlo
+
+
+def test_other_ops_say_what_is_differentiable(keys):
+    q = jnp.zeros((4, 32, 64), jnp.float8_e4m3fn)
+    kv = (jnp.zeros((8, 64), jnp.float8_e4m3fn), jnp.ones((8,), F32))
+    ks = jnp.zeros((4,), jnp.int32)
+    f = lambda w: jax_dg.mqa_logits(q, kv, w, ks, ks + 8).sum()   # noqa: E731
+    with pytest.raises(jax_dg.NotDifferentiableError, match=r"`fp8_fp4_mqa_logits` has no derivative "
+                       r"rule.*fp8_linear.*use_backend\('xla'\)"):
+        jax.grad(f)(jnp.ones((4, 32), F32))
+    with jax_dg.use_backend("xla"):            # the reference differentiates
+        assert jax.grad(f)(jnp.ones((4, 32), F32)).shape == (4, 32)
+    a = jax_dg.per_token_cast_to_fp8(jnp.ones((16, 128), F32))
+    b = jax_dg.per_block_cast_to_fp8(jnp.ones((16, 128), F32))
+    with pytest.raises(jax_dg.NotDifferentiableError, match="fp8_gemm_nt"):
+        jax.grad(lambda s: jax_dg.fp8_gemm_nt((a[0], s), b).astype(F32).sum())(a[1])
+
+
+def test_bad_linear_inputs_name_the_argument():
+    w = jnp.zeros((256, 384), F32)
+    with pytest.raises(jax_dg.ArgumentError, match="`x` must end in w's K = 384"):
+        jax_dg.fp8_linear(jnp.zeros((4, 128), F32), w)
+    with pytest.raises(jax_dg.ArgumentError, match="`w` must have N % 16 == 0"):
+        jax_dg.fp8_linear(jnp.zeros((4, 384), F32), jnp.zeros((250, 384), F32))
+    with pytest.raises(jax_dg.ArgumentError, match="`x` must have Mmax a positive multiple of 128"):
+        jax_dg.fp8_grouped_linear(jnp.zeros((2, 100, 128), F32), jnp.zeros((2, 128, 128), F32),
+                                  jnp.zeros((2,), jnp.int32), 8)
