@@ -56,6 +56,10 @@ class Op:
     # Reverse-mode rule: (inputs {name: array or None}, output cotangents, **static) ->
     # {name: input cotangent}; absent names get zeros. None: differentiating raises.
     vjp: Callable[..., Mapping[str, Any]] | None = None
+    # Batching rule for jax.vmap: (axis_size, batched {name: bool}, inputs {name: array or None},
+    # **static) -> outputs with the batch axis first (a vmapped axis folded into the kernel),
+    # or None where it cannot fold (then: one call per batch element, in a loop).
+    batch: Callable[..., Any] | None = None
     ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
 
     def __post_init__(self):
@@ -109,8 +113,24 @@ class Op:
 
         def call(*xs):
             return tuple(fn(*xs, site=site))
+        if self.batch is not None:
+            call = self._with_batching(call, given, static)
         call = self._with_vjp(call, given, static) if self.vjp else self._without_derivative(call)
         return call(*(a for a in arrays if a is not None))
+
+    def _with_batching(self, call, names: list[str], static: dict):
+        """`call` under jax.vmap: the record's rule folds the batch into the kernel; where it
+        returns None, one call per batch element (lax.map: a loop in the HLO)."""
+        f = jax.custom_batching.custom_vmap(call)
+        rule = self.batch
+
+        @f.def_vmap
+        def vmap_rule(axis_size, in_batched, *xs):
+            outs = rule(axis_size, dict(zip(names, in_batched)), dict(zip(names, xs)), **static)
+            if outs is None:
+                outs = _sequential(call, axis_size, in_batched, xs)
+            return tuple(outs), (True,) * len(outs)
+        return f
 
     def _without_derivative(self, call):
         """`call`, raising NotDifferentiableError (not JAX's generic FFI error) when differentiated."""
@@ -156,3 +176,23 @@ def _cotangent(x, g):
     if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
         return np.zeros(x.shape, jax.dtypes.float0)
     return jax.numpy.zeros_like(x) if g is None else g.astype(x.dtype)
+
+
+def _sequential(call, axis_size: int, in_batched, xs):
+    """One call per batch element: batched arguments are mapped over, the others closed over."""
+    mapped = [x for x, b in zip(xs, in_batched) if b]
+
+    def one(ys):
+        it = iter(ys)
+        return call(*[next(it) if b else x for x, b in zip(xs, in_batched)])
+    return jax.lax.map(one, mapped)
+
+
+def bcast(x, batched: bool, size: int):
+    """x with the vmapped axis in front: as it is when batched, else broadcast (None stays)."""
+    return x if batched or x is None else jax.numpy.broadcast_to(x, (size, *x.shape))
+
+
+def fold_rows(x):
+    """[B, M, ...] -> [B * M, ...]: a vmapped axis folded into the rows."""
+    return x.reshape(-1, *x.shape[2:])

@@ -10,7 +10,7 @@ from jax_dg import contracts
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import ArgumentError, Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.reference import gemm as ref
 from jax_dg.scales import mn_major_logical, mn_major_physical
 
@@ -152,6 +152,43 @@ def _fp8_reference(storage: str):
     return reference
 
 
+def _masked_batch(op, a, sfa_logical, b, sfb, size: int, m: int):
+    """Both operands batched: the masked grouped GEMM with G = batch, every group M rows of
+    Mmax = align(M, 128); rows past M are sliced off (padding rows of a are 0)."""
+    mmax = align(m, contracts.MASKED_BLOCK_M)
+    pad = ((0, 0), (0, mmax - m), (0, 0))
+    args = [jnp.pad(a, pad)]
+    if sfa_logical is not None:
+        args.append(mn_major_physical(jnp.pad(sfa_logical, pad, constant_values=1.0)))
+    args += [b] + ([sfb] if sfb is not None else [])
+    masked_m = jnp.full((size,), m, jnp.int32)
+    (d,) = op(*args, masked_m, expected_m=max(m, 1))
+    return (d[:, :m],)
+
+
+def _fp8_batch(storage: str):
+    """vmap of fp8_gemm_nt: a batched `a` with a shared `b` folds into M (one GEMM of B*M rows);
+    both batched (per-block recipe) run as one masked grouped GEMM; otherwise sequential."""
+    def rule(size, batched, inputs, *, out_dtype, recipe):
+        if storage != "nt":
+            return None
+        a, sfa, b, sfb, c = (inputs[n] if n in inputs else None for n in ("a", "sfa", "b", "sfb", "c"))
+        m = a.shape[1] if batched["a"] else a.shape[0]
+        sfa_l = mn_major_logical(bcast(sfa, batched["sfa"], size), m)
+        if not batched["b"] and not batched["sfb"] and (batched["a"] or batched["sfa"]):
+            a = bcast(a, batched["a"], size)
+            c = bcast(c, batched.get("c", False), size)
+            (d,) = FP8_GEMM["nt"](fold_rows(a), mn_major_physical(fold_rows(sfa_l)), b, sfb,
+                                  None if c is None else fold_rows(c), out_dtype=out_dtype, recipe=recipe)
+            return (d.reshape(size, m, -1),)
+        if recipe == RECIPE_BLOCK and c is None:
+            from jax_dg.ops.grouped import M_GROUPED_FP8_MASKED
+            return _masked_batch(M_GROUPED_FP8_MASKED, bcast(a, batched["a"], size), sfa_l,
+                                 bcast(b, batched["b"], size), bcast(sfb, batched["sfb"], size), size, m)
+        return None
+    return rule
+
+
 FP8_GEMM = {
     storage: Op(
         name=f"fp8_gemm_{storage}",
@@ -165,6 +202,7 @@ FP8_GEMM = {
         archs=contracts.DEEP_GEMM_ARCHS if storage == "nt" else frozenset({"sm100"}),
         # SM90 with MN-major scales allocates nothing (SM100 re-packs fp32 scales into UE8M0)
         graph_safe=frozenset({"sm90"}) if storage == "nt" else frozenset(),
+        batch=_fp8_batch(storage),
     )
     for storage in STORAGES
 }
@@ -298,6 +336,29 @@ def _bf16_vjp(family: str, storage: str):
     return vjp
 
 
+def _bf16_batch(family: str, storage: str):
+    """vmap of a BF16 GEMM: a batched `a` stored [M, K] with a shared `b` folds into M; both
+    batched (nt, DeepGEMM's kernel, no c, bf16 d) run as one masked grouped GEMM; otherwise
+    sequential."""
+    a_t, _ = _transposed(storage)
+
+    def rule(size, batched, inputs, *, out_dtype):
+        a, b, c = inputs["a"], inputs["b"], inputs.get("c")
+        if not batched["b"] and not a_t:
+            m = a.shape[1] if batched["a"] else a.shape[0]
+            a, c = bcast(a, batched["a"], size), bcast(c, batched.get("c", False), size)
+            ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
+            (d,) = ops[storage](fold_rows(a), b, None if c is None else fold_rows(c), out_dtype=out_dtype)
+            return (d.reshape(size, m, -1),)
+        if (storage == "nt" and family == "bf16_gemm" and c is None and out_dtype == "bfloat16"
+                and a.shape[-1] % 64 == 0):
+            from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED
+            a, b = bcast(a, batched["a"], size), bcast(b, batched["b"], size)
+            return _masked_batch(M_GROUPED_BF16_MASKED, a, None, b, None, size, a.shape[1])
+        return None
+    return rule
+
+
 def _bf16_op(family: str, storage: str) -> Op:
     name = f"{family}_{storage}"
     return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, storage, family == "bf16_gemm"),
@@ -305,7 +366,8 @@ def _bf16_op(family: str, storage: str) -> Op:
               aliases={"c": 0},
               # no scales, no scratch (cuBLASLt's workspace is DeepGEMM's, made once at start-up)
               graph_safe=contracts.DEEP_GEMM_ARCHS,
-              vjp=_bf16_vjp(family, storage))
+              vjp=_bf16_vjp(family, storage),
+              batch=_bf16_batch(family, storage))
 
 
 BF16_GEMM = {storage: _bf16_op("bf16_gemm", storage) for storage in STORAGES}

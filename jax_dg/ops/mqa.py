@@ -17,7 +17,7 @@ from jax_dg.contracts import SPARSE_BLOCKS, SPARSE_SPLIT_KV
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
 
@@ -74,6 +74,19 @@ def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_
     return ref.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
 
 
+def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits):
+    """vmap over batches of queries with shared keys: the batch folds into M (one kernel over
+    B * M query rows); keys batched too: sequential."""
+    if batched["kv"] or batched["kv_sf"]:
+        return None
+    q, w, ks, ke = (bcast(inputs[n], batched[n], size) for n in ("q", "weights", "cu_seqlen_ks", "cu_seqlen_ke"))
+    m = q.shape[1]
+    (out,) = FP8_MQA_LOGITS(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w),
+                            ks.reshape(-1), ke.reshape(-1), max_seqlen_k=max_seqlen_k,
+                            clean_logits=clean_logits)
+    return (out.reshape(size, m, -1),)
+
+
 FP8_MQA_LOGITS = Op(
     name="fp8_fp4_mqa_logits",
     args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke"),
@@ -81,6 +94,7 @@ FP8_MQA_LOGITS = Op(
     run=_mqa_logits_run,
     reference=_mqa_logits_reference,
     symbols=("fp8_fp4_mqa_logits",),
+    batch=_mqa_logits_batch,
 )
 
 

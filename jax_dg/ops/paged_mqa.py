@@ -34,7 +34,7 @@ from jax_dg.backends import deep_gemm
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.ops.mqa import qk_dtype_name
 from jax_dg.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
@@ -192,6 +192,23 @@ def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, sc
                                 max_model_len=max_model_len)
 
 
+def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits):
+    """vmap over batches of requests sharing one KV cache: the batch folds into B (one kernel
+    over V * B requests, with the schedule recomputed for all of them); a batched cache, MX
+    scales or the varlen form: sequential."""
+    if batched["kv_cache"] or "q_sf" in inputs and inputs["q_sf"] is not None \
+            or inputs.get("indices") is not None:
+        return None
+    q, w, lens, table = (bcast(inputs[n], batched[n], size)
+                         for n in ("q", "weights", "context_lens", "block_tables"))
+    cache = inputs["kv_cache"]
+    lens, slots = fold_rows(lens), inputs["schedule_metadata"].shape[-2] - 1
+    (meta,) = GET_PAGED_MQA_LOGITS_METADATA(lens, None, block_kv=cache.shape[1], num_sms=slots)
+    (out,) = PAGED_MQA_LOGITS(fold_rows(q), None, cache, fold_rows(w), lens, fold_rows(table), meta,
+                              None, max_model_len=max_model_len, clean_logits=clean_logits)
+    return (out.reshape(size, -1, out.shape[-1]),)
+
+
 PAGED_MQA_LOGITS = Op(
     name="fp8_fp4_paged_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata",
@@ -201,6 +218,7 @@ PAGED_MQA_LOGITS = Op(
     reference=_logits_reference,
     symbols=("fp8_fp4_paged_mqa_logits",),
     arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
+    batch=_logits_batch,
 )
 
 
