@@ -5,7 +5,7 @@ Layers, top to bottom; a module imports only from its own layer or the layers be
 
   public     jax_dg (this file), jax_dg.__main__
   ops        jax_dg.ops.*: one Op declaration per kernel, and their public functions;
-             user helpers: quant, scales, routing, paged, indexer, capability
+             user helpers: quant, scales, routing, paged, indexer, capability, exporting
   core       jax_dg.core.*: Op and the bridge (op, bridge), checks and errors, the device and
              trace target (device), backend selection (backend), torch-side helpers (runtime)
   reference  jax_dg.reference.*: the pure-JAX references (the test oracle, backend "xla")
@@ -31,6 +31,7 @@ from jax_dg.capability import (
 from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
 from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
+from jax_dg.exporting import export_safety_checks
 from jax_dg.indexer import (
     causal_ks_ke,
     fold_q_scale,

@@ -46,6 +46,12 @@ def register_op(op) -> str:
     return name
 
 
+def registered_targets() -> list[str]:
+    """Every custom-call target jax_dg registered (graph-safe twins included)."""
+    return sorted(_REGISTERED | {n + GRAPH_SUFFIX for n in _REGISTERED
+                                 if _OPS[n.removeprefix("jax_dg_")].graph_safe})
+
+
 def registered_ops() -> dict[str, Any]:
     """Every registered op by name (test-only ops start with "_")."""
     return dict(_OPS)

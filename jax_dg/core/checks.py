@@ -54,7 +54,8 @@ class Checker:
 
     def shape(self, x: Any, arg: str, expected: Iterable[int], rule: str) -> None:
         self.array(x, arg)
-        expected = tuple(int(e) for e in expected)
+        # ints stay ints; symbolic dimensions (jax.export) stay symbolic
+        expected = tuple(int(e) if isinstance(e, (int, np.integer)) else e for e in expected)
         self.that(tuple(x.shape) == expected, arg, f"must have shape {rule} = {expected}",
                   tuple(x.shape))
 
