@@ -107,7 +107,27 @@ def jax_rows(graphs: bool) -> dict:
     xs = [jnp.full((1,), i, jnp.float32) for i in range(R)]
     f = jax.jit(lambda xs: [NOOP(x)[0] for x in xs])
     out["noop"] = {"jax_dg": timing.per_call_us(lambda: f(xs), timing.jax_sync, 20) / R}
+    g = jax.jit(lambda xs: [x * 3 + 1 for x in xs])   # XLA's own per-kernel cost, for comparison
+    out["xla_tiny"] = {"jax_dg": timing.per_call_us(lambda: g(xs), timing.jax_sync, 20) / R}
+    out["closure"] = {"jax_dg": closure_us()}
     return out
+
+
+def closure_us() -> float:
+    """The Python part of one call: the bridge's prepared closure (torch stream switch, capture
+    guard, run function) called directly with torch views, no XLA."""
+    import time
+    from jax_dg.core import bridge
+    fn = bridge._prepare(bridge.encode_site("_bench_noop", "deep_gemm", "1", {}, True), "cuda")
+    stream = torch.cuda.Stream()
+    ins, outs = (torch.zeros(1, device="cuda"),), (torch.zeros(1, device="cuda"),)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(10000):
+            fn(stream.cuda_stream, 0, ins, outs)
+        best = min(best, (time.perf_counter() - t0) / 10000 * 1e6)
+    return best
 
 
 def decode_inputs(m):
@@ -134,13 +154,11 @@ def torch_decode(m):
     u = torch.empty((m, 4096), dtype=torch.bfloat16, device="cuda")
     h = torch.empty((m, 7168), dtype=torch.bfloat16, device="cuda")
 
-    def loop():
-        cur = h0
-        for _ in range(STEPS):
-            deep_gemm.fp8_gemm_nt(per_token_cast_to_fp8(cur, use_ue8m0=False), wu, u)
-            deep_gemm.fp8_gemm_nt(per_token_cast_to_fp8(u, use_ue8m0=False), wd, h)
-            cur = h
-    return torch_contenders([loop])
+    def step(cur):
+        deep_gemm.fp8_gemm_nt(per_token_cast_to_fp8(cur, use_ue8m0=False), wu, u)
+        deep_gemm.fp8_gemm_nt(per_token_cast_to_fp8(u, use_ue8m0=False), wd, h)
+    steps = [lambda: step(h0)] + [lambda: step(h)] * (STEPS - 1)
+    return torch_contenders(steps)     # per step
 
 
 def child() -> None:
@@ -174,7 +192,9 @@ def main():
     for m in DECODE_M:
         rows.append((f"decode M{m}", torch_decode(m)))
     print(f"fixed cost of one jax_dg call (no kernel): graphs on {on['noop']['jax_dg']:.2f} us, "
-          f"graphs off {off.get('noop', {}).get('jax_dg', float('nan')):.2f} us")
+          f"graphs off {off.get('noop', {}).get('jax_dg', float('nan')):.2f} us; of which the Python "
+          f"closure {on['closure']['jax_dg']:.2f} us; one tiny XLA fusion for comparison: graphs on "
+          f"{on['xla_tiny']['jax_dg']:.2f} us, off {off.get('xla_tiny', {}).get('jax_dg', float('nan')):.2f} us")
     from jax_dg.core import runtime
     print(f"graph-safe call sites: {runtime.CAPTURE_STATS}")
     table = []
