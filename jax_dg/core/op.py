@@ -34,7 +34,7 @@ import jax
 
 from jax_dg import contracts
 from jax_dg.core import backend as selection
-from jax_dg.core import bridge, device
+from jax_dg.core import bridge, device, sharding
 from jax_dg.core.checks import NotDifferentiableError, UnsupportedArchError
 
 DIFFERENTIABLE = ("bf16_gemm_{nt,nn,tn,tt}", "cublaslt_gemm_{nt,nn,tn,tt}", "fp8_linear",
@@ -60,6 +60,9 @@ class Op:
     # **static) -> outputs with the batch axis first (a vmapped axis folded into the kernel),
     # or None where it cannot fold (then: one call per batch element, in a loop).
     batch: Callable[..., Any] | None = None
+    # Sharding rule (jax_dg.core.sharding.Sharding): which dimensions split with no collective,
+    # which are contracted; None: XLA gathers the operands and runs the op whole on each device.
+    sharding: Any = None
     ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
 
     def __post_init__(self):
@@ -107,13 +110,23 @@ class Op:
         index = {n: i for i, n in enumerate(given)}
         aliases = {index[n]: o for n, o in self.aliases.items() if n in index}
         site = bridge.encode_site(self.name, backend, present, static, graph)
-        # vmap: one call per batch element until batching rules derive from the record.
-        fn = jax.ffi.ffi_call(self.ffi_name + (bridge.GRAPH_SUFFIX if graph else ""), out_types,
-                              input_output_aliases=aliases, vmap_method="sequential")
+        target = self.ffi_name + (bridge.GRAPH_SUFFIX if graph else "")
+        slots = [a is not None for a in arrays]
+
+        def plain(xs):
+            """The custom call itself, for these arrays' shapes (global, or a shard's)."""
+            it = iter(xs)
+            full = [next(it) if p else None for p in slots]
+            types = tuple(self.rule(*full, **static))
+            fn = jax.ffi.ffi_call(target, types, input_output_aliases=aliases,
+                                  vmap_method="sequential")   # only where no batching rule applies
+            return tuple(fn(*xs, site=site))
 
         def call(*xs):
-            return tuple(fn(*xs, site=site))
-        if self.batch is not None:
+            return plain(xs)
+        if self.sharding is not None:
+            call = sharding.partitioned(self.name, self.sharding, given, static, plain)
+        if self.batch is not None or self.sharding is not None:   # custom_partitioning has no vmap
             call = self._with_batching(call, given, static)
         call = self._with_vjp(call, given, static) if self.vjp else self._without_derivative(call)
         return call(*(a for a in arrays if a is not None))
@@ -122,7 +135,7 @@ class Op:
         """`call` under jax.vmap: the record's rule folds the batch into the kernel; where it
         returns None, one call per batch element (lax.map: a loop in the HLO)."""
         f = jax.custom_batching.custom_vmap(call)
-        rule = self.batch
+        rule = self.batch or (lambda *args, **kwargs: None)
 
         @f.def_vmap
         def vmap_rule(axis_size, in_batched, *xs):

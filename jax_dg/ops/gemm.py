@@ -11,6 +11,7 @@ from jax_dg.contracts import align, cdiv
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.reference import gemm as ref
 from jax_dg.scales import mn_major_logical, mn_major_physical
 
@@ -189,6 +190,21 @@ def _fp8_batch(storage: str):
     return rule
 
 
+# Sharding: rows (M) and columns (N) split with no collective; a sharded K gives partial
+# products and one psum (not with the accumulator c). Scale blocks follow what they scale.
+_GEMM_TIES = {"ma": ("m", "aligned", 4), "na": ("n", "aligned", 4), "kb": ("k", "blocks", 128),
+              "nb": ("n", "blocks", 128)}
+
+
+def _fp8_layout(names, *, out_dtype, recipe):
+    sfb = "nb kb" if recipe == RECIPE_BLOCK else "kb na"   # per-channel b's scales: MN-major physical
+    return Layout({"a": "m k", "sfa": "kb ma", "b": "n k", "sfb": sfb, "c": "m n"}, ["m n"])
+
+
+FP8_SHARDING = Sharding(_fp8_layout, free=frozenset({"m", "n"}), reduce=frozenset({"k"}),
+                        tied=_GEMM_TIES, forbid={"k": frozenset({"c"})})
+
+
 FP8_GEMM = {
     storage: Op(
         name=f"fp8_gemm_{storage}",
@@ -203,6 +219,7 @@ FP8_GEMM = {
         # SM90 with MN-major scales allocates nothing (SM100 re-packs fp32 scales into UE8M0)
         graph_safe=frozenset({"sm90"}) if storage == "nt" else frozenset(),
         batch=_fp8_batch(storage),
+        sharding=FP8_SHARDING if storage == "nt" else None,
     )
     for storage in STORAGES
 }
@@ -359,6 +376,13 @@ def _bf16_batch(family: str, storage: str):
     return rule
 
 
+def _bf16_sharding(storage: str) -> Sharding:
+    a_t, b_n = _transposed(storage)
+    layout = Layout({"a": "k m" if a_t else "m k", "b": "k n" if b_n else "n k", "c": "m n"}, ["m n"])
+    return Sharding(lambda names, **static: layout, free=frozenset({"m", "n"}), reduce=frozenset({"k"}),
+                    forbid={"k": frozenset({"c"})})
+
+
 def _bf16_op(family: str, storage: str) -> Op:
     name = f"{family}_{storage}"
     return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, storage, family == "bf16_gemm"),
@@ -367,7 +391,8 @@ def _bf16_op(family: str, storage: str) -> Op:
               # no scales, no scratch (cuBLASLt's workspace is DeepGEMM's, made once at start-up)
               graph_safe=contracts.DEEP_GEMM_ARCHS,
               vjp=_bf16_vjp(family, storage),
-              batch=_bf16_batch(family, storage))
+              batch=_bf16_batch(family, storage),
+              sharding=_bf16_sharding(storage))
 
 
 BF16_GEMM = {storage: _bf16_op("bf16_gemm", storage) for storage in STORAGES}

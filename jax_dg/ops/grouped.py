@@ -18,6 +18,7 @@ from jax_dg.contracts import align, cdiv
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
+from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.routing import get_mk_alignment_for_contiguous_layout
 from jax_dg.scales import mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
@@ -80,6 +81,19 @@ def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
 
 SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
 
+# Sharding: contiguous rows split in whole alignment blocks, masked groups (experts) split, and
+# N splits, all with no collective (every shard holds all experts' weights, or its experts').
+_TIES = {"ma": ("m", "aligned", 4), "kb": ("k", "blocks", 128), "nb": ("n", "blocks", 128)}
+CONTIGUOUS_SHARDING = Sharding(
+    lambda names, *, mk_alignment: Layout(
+        {"a": "m k", "sfa": "kb ma", "b": "g n k", "sfb": "g nb kb", "grouped_layout": "m"}, ["m n"],
+        multiple={"m": mk_alignment}),
+    free=frozenset({"m", "n"}), tied=_TIES)
+MASKED_SHARDING = Sharding(
+    lambda names, *, expected_m: Layout(
+        {"a": "g r k", "sfa": "g kb ra", "b": "g n k", "sfb": "g nb kb", "masked_m": "g"}, ["g r n"]),
+    free=frozenset({"g", "n"}), tied=_TIES)
+
 
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
 
@@ -115,6 +129,7 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, layout, mk_alignment=mk_alignment),
     symbols=("m_grouped_fp8_gemm_nt_contiguous",),
     graph_safe=SM90,
+    sharding=CONTIGUOUS_SHARDING,
 )
 
 _bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
@@ -134,6 +149,7 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
     reference=ref.m_grouped_bf16_gemm_nt_contiguous,
     symbols=("m_grouped_bf16_gemm_nt_contiguous",),
     graph_safe=SM90,
+    sharding=CONTIGUOUS_SHARDING,
 )
 
 
@@ -213,6 +229,7 @@ M_GROUPED_FP8_MASKED = Op(
         a, mn_major_logical(sfa, a.shape[1]), b, sfb, masked_m, expected_m=expected_m),
     symbols=("m_grouped_fp8_gemm_nt_masked",),
     graph_safe=SM90,
+    sharding=MASKED_SHARDING,
 )
 
 _bf16_masked_rule = _masked_rule("m_grouped_bf16_gemm_nt_masked", fp8=False)
@@ -231,6 +248,7 @@ M_GROUPED_BF16_MASKED = Op(
     reference=ref.m_grouped_bf16_gemm_nt_masked,
     symbols=("m_grouped_bf16_gemm_nt_masked",),
     graph_safe=SM90,
+    sharding=MASKED_SHARDING,
 )
 
 

@@ -18,6 +18,7 @@ from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
 
@@ -95,6 +96,10 @@ FP8_MQA_LOGITS = Op(
     reference=_mqa_logits_reference,
     symbols=("fp8_fp4_mqa_logits",),
     batch=_mqa_logits_batch,
+    # queries (M) split with no collective; the keys are every shard's
+    sharding=Sharding(lambda names, *, max_seqlen_k, clean_logits: Layout(
+        {"q": "m h d", "kv": "n d", "kv_sf": "n", "weights": "m h", "cu_seqlen_ks": "m",
+         "cu_seqlen_ke": "m"}, ["m w" if max_seqlen_k else "m n"]), free=frozenset({"m"})),
 )
 
 

@@ -35,6 +35,7 @@ from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.mqa import qk_dtype_name
 from jax_dg.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
@@ -170,13 +171,15 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
 # --- dense paged logits -----------------------------------------------------------------------
 
 def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                 indices, *, max_model_len, clean_logits):
+                 indices, *, max_model_len, clean_logits, slots):
     return [jax.ShapeDtypeStruct((q.shape[0] * q.shape[1], max_model_len), F32)]
 
 
 def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, out, *, max_model_len, clean_logits):
+                indices, out, *, max_model_len, clean_logits, slots):
     kw = {} if indices is None else {"indices": indices}
+    if schedule_metadata is None:   # the schedule of exactly these rows (a shard's, under jit)
+        schedule_metadata = dg.get_paged_mqa_logits_metadata(context_lens, kv_cache.shape[1], slots, **kw)
     # Keywords: positional arguments after the 7th changed meaning across DeepGEMM releases.
     logits = dg.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_tables,
                                           schedule_metadata, max_model_len, clean_logits=False, **kw)
@@ -187,25 +190,22 @@ def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, sche
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                      indices, *, max_model_len, clean_logits):
+                      indices, *, max_model_len, clean_logits, slots):
     return ref.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
                                 max_model_len=max_model_len)
 
 
-def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits):
+def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots):
     """vmap over batches of requests sharing one KV cache: the batch folds into B (one kernel
-    over V * B requests, with the schedule recomputed for all of them); a batched cache, MX
-    scales or the varlen form: sequential."""
-    if batched["kv_cache"] or "q_sf" in inputs and inputs["q_sf"] is not None \
-            or inputs.get("indices") is not None:
+    over V * B requests, the schedule computed for all of them); a batched cache, MX scales,
+    the varlen form or a given schedule: sequential."""
+    if batched["kv_cache"] or any(inputs.get(n) is not None for n in ("q_sf", "indices", "schedule_metadata")):
         return None
     q, w, lens, table = (bcast(inputs[n], batched[n], size)
                          for n in ("q", "weights", "context_lens", "block_tables"))
-    cache = inputs["kv_cache"]
-    lens, slots = fold_rows(lens), inputs["schedule_metadata"].shape[-2] - 1
-    (meta,) = GET_PAGED_MQA_LOGITS_METADATA(lens, None, block_kv=cache.shape[1], num_sms=slots)
-    (out,) = PAGED_MQA_LOGITS(fold_rows(q), None, cache, fold_rows(w), lens, fold_rows(table), meta,
-                              None, max_model_len=max_model_len, clean_logits=clean_logits)
+    (out,) = PAGED_MQA_LOGITS(fold_rows(q), None, inputs["kv_cache"], fold_rows(w), fold_rows(lens),
+                              fold_rows(table), None, None, max_model_len=max_model_len,
+                              clean_logits=clean_logits, slots=slots)
     return (out.reshape(size, -1, out.shape[-1]),)
 
 
@@ -219,6 +219,13 @@ PAGED_MQA_LOGITS = Op(
     symbols=("fp8_fp4_paged_mqa_logits",),
     arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
     batch=_logits_batch,
+    # requests (B) split with no collective, each shard scheduling its own rows (a given
+    # schedule is the whole batch's: it forbids the split); the cache is every shard's
+    sharding=Sharding(lambda names, **static: Layout(
+        {"q": "b j h d", "q_sf": "b j h", "kv_cache": "p t o e", "weights": "bj h", "context_lens": "b j",
+         "block_tables": "b x", "schedule_metadata": "s y", "indices": "b"}, ["bj l"]),
+        free=frozenset({"b"}), tied={"bj": ("b", "times", 0)},
+        forbid={"b": frozenset({"schedule_metadata"})}),
 )
 
 
@@ -260,8 +267,8 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
     ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
     if indices is not None:
         _check_indices(ck, indices, b, next_n)
+    slots = contracts.schedule_slots(t.num_sms, next_n, t.arch, varlen=indices is not None)
     if schedule_metadata is not None:
-        slots = contracts.schedule_slots(t.num_sms, next_n, t.arch, varlen=indices is not None)
         ck.tensor(schedule_metadata, "schedule_metadata", [I32], (slots + 1, 2),
                   f"[slots + 1, 2] for {t.num_sms} SMs and next_n = {next_n} on {t.arch} "
                   "(from get_paged_mqa_logits_metadata with this device's num_sms"
@@ -281,10 +288,11 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
             block_tables = jnp.pad(block_tables, ((0, 0), (0, 1)))
         used = jnp.arange(block_tables.shape[1], dtype=I32)[None, :] < (last + blk - 1) // blk
         block_tables = jnp.where(used, block_tables, 0)
-    if schedule_metadata is None:
-        schedule_metadata = get_paged_mqa_logits_metadata(ctx, blk, t.num_sms, indices)
+    # Without a schedule the call computes its own (DeepGEMM's kernel, on the same stream): the
+    # schedule of exactly the rows it scores, also per shard when sharded over requests.
     (out,) = PAGED_MQA_LOGITS(qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata,
-                              indices, max_model_len=max_model_len, clean_logits=clean_logits)
+                              indices, max_model_len=max_model_len, clean_logits=clean_logits,
+                              slots=slots)
     return out
 
 
