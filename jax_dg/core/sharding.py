@@ -74,7 +74,7 @@ def plan(op_name: str, rule: Sharding, layout: Layout, names: Sequence[str], mes
             if ax is None or f in axes or (f not in rule.free and f not in rule.reduce):
                 continue
             flat = ax if isinstance(ax, tuple) else (ax,)
-            if used & set(flat):
+            if used & set(flat) or _size(mesh, ax) == 1:
                 continue                          # a mesh axis shards one factor at most
             axes[f] = ax
             used |= set(flat)

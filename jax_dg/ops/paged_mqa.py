@@ -17,7 +17,8 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
 - Block size 32: DeepGEMM reads block-table entries in pairs, so the table is padded to an
   even width and entries past each request's blocks are set to block 0 (a valid id).
 - With `schedule_metadata=None`, lengths are also clamped to the output width and the table,
-  and the metadata is computed from the clamped lengths, so no length can make the kernel
+  and the call computes the schedule of the clamped lengths itself (DeepGEMM's metadata kernel,
+  on the same stream; per shard when sharded over requests), so no length can make the kernel
   write out of bounds. A caller-supplied schedule must come from the same context_lens
   (as with DeepGEMM), with lengths <= max_model_len and <= max_blocks * block_size.
 JAX arrays are always contiguous: torch's concern about block tables whose last stride is not

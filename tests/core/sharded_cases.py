@@ -60,7 +60,7 @@ def main(d: int):
     case("fp8_gemm_nt/N", f, (a, b), (a, (put(mesh, b[0], "x"), put(mesh, b[1], "x"))))
     case("fp8_gemm_nt/K", f, (a, b), ((put(mesh, a[0], None, "x"), put(mesh, a[1], None, "x")),
                                       (put(mesh, b[0], None, "x"), put(mesh, b[1], None, "x"))),
-         expect=("all-reduce",), exact=False)
+         expect=("all-reduce",) if d > 1 else (), exact=False)
     x, w = normal((m, k)), normal((n, k))
     case("bf16_gemm_nt/M", jax_dg.bf16_gemm_nt, (x, w), (put(mesh, x, "x"), w))
     case("bf16_gemm_nt/N", jax_dg.bf16_gemm_nt, (x, w), (x, put(mesh, w, "x")))
@@ -103,6 +103,8 @@ def main(d: int):
     case("paged_mqa_logits/B", fp, (qp, wp, lens, table), tuple(put(mesh, t, "x") for t in (qp, wp, lens, table)))
 
     # shapes that do not split raise, naming the rule
+    if d == 1:
+        return
     a6 = jax_dg.per_token_cast_to_fp8(normal((6 * d, k)))
     try:
         jax.jit(f)((put(mesh, a6[0], "x"), put(mesh, a6[1], "x")), b)
