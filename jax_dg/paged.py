@@ -174,6 +174,8 @@ def build_block_tables(context_lens, block_size: int, *, num_blocks: int | None 
     entries hold block 0, a valid id. The width defaults to the longest sequence's block count,
     rounded up to an even number for block_size 32 (DeepGEMM reads those tables in pairs).
     """
+    ck = Checker("build_block_tables")
+    block_size = ck.static_int(block_size, "block_size", minimum=1)
     ctx = np.asarray(jax.device_get(context_lens))
     if ctx.ndim == 2:
         ctx = ctx[:, -1]

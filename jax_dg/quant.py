@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.core.checks import ArgumentError
+from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.reference import quant as ref
 from jax_dg.reference.quant import FP8, FP8_MAX, cast_with_scale, ceil_to_ue8m0, scale_for  # noqa: F401
 
@@ -26,18 +26,27 @@ def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
     return ref.pack_ue8m0_to_int(x)
 
 
+def _check_cast(name: str, x, use_ue8m0, gran_k) -> int:
+    ck = Checker(name)
+    ck.array(x, "x")
+    ck.that(jnp.issubdtype(x.dtype, jnp.floating), "x", "must have a floating dtype",
+            jnp.dtype(x.dtype).name)
+    ck.ndim(x, "x", 2, "[m, n]")
+    ck.that(isinstance(use_ue8m0, (bool, np.bool_)), "use_ue8m0", "must be a Python bool",
+            type(use_ue8m0).__name__)
+    return ck.static_int(gran_k, "gran_k", minimum=1)
+
+
 def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
-    if x.ndim != 2:
-        raise ArgumentError(f"per_token_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
-    return ref.per_token_cast_to_fp8(x, use_ue8m0, gran_k)
+    gran_k = _check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k)
+    return ref.per_token_cast_to_fp8(x, bool(use_ue8m0), gran_k)
 
 
 def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
-    if x.ndim != 2:
-        raise ArgumentError(f"per_block_cast_to_fp8: `x` must be 2-D, got shape {x.shape}")
-    return ref.per_block_cast_to_fp8(x, use_ue8m0, gran_k)
+    gran_k = _check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k)
+    return ref.per_block_cast_to_fp8(x, bool(use_ue8m0), gran_k)
 
 
 def calc_diff(x, y):

@@ -71,6 +71,26 @@ class Checker:
             self.fail(f"{arg}[1]", "(scales) must be given")
         return x[0], x[1]
 
+    def dtype_name(self, v: Any, arg: str) -> str:
+        """The jnp name of a dtype given as a dtype, a type or a string (ArgumentError if none)."""
+        try:
+            return jnp.dtype(v).name
+        except (TypeError, ValueError):
+            self.fail(arg, "must be a dtype (e.g. jnp.bfloat16 or 'float32')", repr(v))
+
+    def static_float(self, v: Any, arg: str) -> float:
+        """A static Python number (not bool, not traced), as a float."""
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            self.fail(arg, "must be a static Python number", type(v).__name__)
+        return float(v)
+
+    def recipe(self, v: Any, arg: str = "recipe") -> tuple[int, int, int]:
+        """A (gran_m, gran_n, gran_k) triple of static ints."""
+        if not isinstance(v, (tuple, list)) or len(v) != 3 or not all(
+                isinstance(r, (int, np.integer)) and not isinstance(r, (bool, np.bool_)) for r in v):
+            self.fail(arg, "must be a tuple of three ints (gran_m, gran_n, gran_k)", repr(v))
+        return tuple(int(r) for r in v)
+
     def static_int(self, v: Any, arg: str, minimum: int | None = None) -> int:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             self.fail(arg, "must be a static Python int (it sizes an output)", type(v).__name__)

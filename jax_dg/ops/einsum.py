@@ -107,7 +107,8 @@ def einsum(expr: str, a, b, *, c=None, out_dtype=None, use_cublaslt: bool = Fals
     """
     if out_dtype is None:
         out_dtype = F32 if expr == "bmk,bnk->mn" else BF16
-    (d,) = EINSUM(a, b, c, expr=expr, out_dtype=jnp.dtype(out_dtype).name,
+    ck = Checker("einsum")
+    (d,) = EINSUM(a, b, c, expr=expr, out_dtype=ck.dtype_name(out_dtype, "out_dtype"),
                   use_cublaslt=bool(use_cublaslt))
     return d
 

@@ -239,8 +239,8 @@ def _fp8_public(storage: str, doc: str):
         n = bv.shape[1] if b_n else bv.shape[0]
         if recipe is None:
             recipe = infer_recipe(n, sfb.shape[::-1] if b_n else sfb.shape)
-        recipe = tuple(int(r) for r in recipe)
-        out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else jnp.dtype(out_dtype).name
+        recipe = ck.recipe(recipe)
+        out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else ck.dtype_name(out_dtype, "out_dtype")
         phys_a, phys_b = _mn_major(storage, recipe)
         if phys_a or phys_b:   # check what the caller gave, then hand the kernel its layout
             _fp8_rule(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
@@ -402,7 +402,7 @@ CUBLASLT_GEMM = {storage: _bf16_op("cublaslt_gemm", storage) for storage in STOR
 def _bf16_gemm(ops, storage, a, b, c, out_dtype):
     if out_dtype is None:
         out_dtype = c.dtype if c is not None and hasattr(c, "dtype") else BF16
-    (d,) = ops[storage](a, b, c, out_dtype=jnp.dtype(out_dtype).name)
+    (d,) = ops[storage](a, b, c, out_dtype=Checker(ops[storage].name).dtype_name(out_dtype, "out_dtype"))
     return d
 
 

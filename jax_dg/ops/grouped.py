@@ -154,7 +154,7 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 
 
 def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
-    ck.array(grouped_layout, "grouped_layout")
+    ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
     if clean:
         # Ids outside [0, G) become padding: DeepGEMM would read past b for ids >= G.
         grouped_layout = jnp.where(grouped_layout < num_groups, grouped_layout, -1)
@@ -254,7 +254,7 @@ M_GROUPED_BF16_MASKED = Op(
 
 def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     expected_m = ck.static_int(expected_m, "expected_m", 1)
-    ck.array(masked_m, "masked_m")
+    ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
     if clean:
         # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax].
         masked_m = jnp.clip(masked_m, 0, max_m)
@@ -357,6 +357,8 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     if not isinstance(ks, (list, tuple)):
         ck.fail("ks", "must be a static list of ints", type(ks).__name__)
     ks = [ck.static_int(kg, "ks") for kg in ks]
+    ck.that(all(0 <= kg < 2 ** 31 for kg in ks), "ks", "must be multiples of 128 in [0, 2**31) "
+            "(int32 group sizes)", ks)
     ck.that(c is not None, "c", "is required (d = c + a @ b.T)")
     ks_tensor = jnp.asarray(ks, dtype=I32)
     (d,) = K_GROUPED_FP8(av, sfa, bv, sfb, ks_tensor, c, ks=ks)

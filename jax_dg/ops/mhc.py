@@ -145,10 +145,13 @@ def mega_mhc(x, residual, post_mix, comb_res_mix, fn, mix_scales, mix_bases, rms
     shared_sf_block_m = ck.static_int(shared_sf_block_m, "shared_sf_block_m", minimum=0)
     outs = list(MEGA_MHC(
         x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
-        rmsnorm_weight, hc_mult=hc_mult, hc_norm_eps=float(hc_norm_eps), hc_pre_eps=float(hc_pre_eps),
-        hc_post_scale=float(hc_post_scale), sinkhorn_eps=float(sinkhorn_eps),
-        num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_eps=float(rmsnorm_eps),
-        rmsnorm_scale=float(rmsnorm_scale), with_bf16=bool(y_bf16), sf_layout=fp8_sf_layout,
+        rmsnorm_weight, hc_mult=hc_mult, hc_norm_eps=ck.static_float(hc_norm_eps, "hc_norm_eps"),
+        hc_pre_eps=ck.static_float(hc_pre_eps, "hc_pre_eps"),
+        hc_post_scale=ck.static_float(hc_post_scale, "hc_post_scale"),
+        sinkhorn_eps=ck.static_float(sinkhorn_eps, "sinkhorn_eps"),
+        num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_eps=ck.static_float(rmsnorm_eps, "rmsnorm_eps"),
+        rmsnorm_scale=ck.static_float(rmsnorm_scale, "rmsnorm_scale"), with_bf16=bool(y_bf16),
+        sf_layout=fp8_sf_layout,
         shared_sf_block_m=shared_sf_block_m))
     names = ["new_residual"] + (["new_prev_mix"] if shifted_prev_mix is not None else [])
     names += ["new_post_mix", "new_comb_res_mix"] + (["y_bf16"] if y_bf16 else [])

@@ -50,9 +50,9 @@ def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 1
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
     m, n = x.shape
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, align(n, gran_k) - n)))
-    xv = xp.reshape(m, -1, gran_k)
+    xv = xp.reshape(m, align(n, gran_k) // gran_k, gran_k)   # explicit: m may be 0
     sf = scale_for(jnp.abs(xv).max(axis=2), use_ue8m0)
-    values = cast_with_scale(xv, sf[:, :, None]).reshape(m, -1)[:, :n]
+    values = cast_with_scale(xv, sf[:, :, None]).reshape(m, align(n, gran_k))[:, :n]
     return values, sf
 
 
