@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from jax_dg import contracts
 from jax_dg.core import backend as selection
@@ -80,11 +81,11 @@ class Op:
         return (t.backend == "deep_gemm" and t.platform == "cuda" and t.arch in self.graph_safe) \
             or (t.backend == "torch" and "torch" in self.graph_safe)
 
-    def gate(self, given: Sequence[str] = ()) -> None:
+    def gate(self, given: Sequence[str] = (), t: device.Target | None = None) -> None:
         """Raises UnsupportedArchError while tracing when DeepGEMM is the target and has no
         kernel for this call on the target GPU. Op.__call__ runs it; a public function whose
         own checks depend on the architecture runs it first."""
-        t = device.target()
+        t = device.target() if t is None else t
         needs = self.needs(given)
         if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in needs:
             with_args = [a for a in given if a in self.arg_archs]
@@ -98,14 +99,15 @@ class Op:
     def __call__(self, *arrays: Any, **static: Any):
         if len(arrays) != len(self.args):
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
-        out_types = tuple(self.rule(*arrays, **static))
+        self.rule(*arrays, **static)          # the checks, before any backend is chosen
         backend = selection.requested()
         if backend == "xla":
             outs = self.reference(*arrays, **static)
             return outs if isinstance(outs, tuple) else (outs,)
         given = [n for n, a in zip(self.args, arrays) if a is not None]
-        self.gate(given)
-        graph = self.captures(device.target())
+        t = device.target()
+        self.gate(given, t)
+        graph = self.captures(t)
         present = "".join("0" if a is None else "1" for a in arrays)
         index = {n: i for i, n in enumerate(given)}
         aliases = {index[n]: o for n, o in self.aliases.items() if n in index}
@@ -185,7 +187,6 @@ def exposes(*ops: Op):
 def _cotangent(x, g):
     """The cotangent JAX wants for input x: g, zeros where none was computed, float0 for
     integer inputs."""
-    import numpy as np
     if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
         return np.zeros(x.shape, jax.dtypes.float0)
     return jax.numpy.zeros_like(x) if g is None else g.astype(x.dtype)
