@@ -184,25 +184,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCpuCall, CpuCall,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaCall, CudaCall,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<std::string_view>("site")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+// XLA's stream and device ordinal, the call site, every buffer.
+auto CudaBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<void*>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Attr<std::string_view>("site")
+      .RemainingArgs()
+      .RemainingRets();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaCall, CudaCall, CudaBinding());
 
 // The same handler declared command-buffer compatible: XLA may run it under stream capture and
 // replay the recorded work without calling it again. Only ops whose call allocates nothing on
 // torch's side and launches the same work every time use it (Op.graph_safe); the CUDA plugin
 // takes no traits at registration, so it is a symbol (and target) of its own.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaGraphCall, CudaCall,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<std::string_view>("site")
-                                  .RemainingArgs()
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCudaGraphCall, CudaCall, CudaBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 NB_MODULE(_bridge, m) {

@@ -12,6 +12,7 @@ from jax_dg.core import runtime as rt
 from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
+from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED, M_GROUPED_FP8_MASKED
 from jax_dg.reference import gemm as ref
 from jax_dg.scales import mn_major_logical, mn_major_physical
 
@@ -183,7 +184,6 @@ def _fp8_batch(storage: str):
                                   None if c is None else fold_rows(c), out_dtype=out_dtype, recipe=recipe)
             return (d.reshape(size, m, -1),)
         if recipe == RECIPE_BLOCK and c is None:
-            from jax_dg.ops.grouped import M_GROUPED_FP8_MASKED
             return _masked_batch(M_GROUPED_FP8_MASKED, bcast(a, batched["a"], size), sfa_l,
                                  bcast(b, batched["b"], size), bcast(sfb, batched["sfb"], size), size, m)
         return None
@@ -369,7 +369,6 @@ def _bf16_batch(family: str, storage: str):
             return (d.reshape(size, m, -1),)
         if (storage == "nt" and family == "bf16_gemm" and c is None and out_dtype == "bfloat16"
                 and a.shape[-1] % 64 == 0):
-            from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED
             a, b = bcast(a, batched["a"], size), bcast(b, batched["b"], size)
             return _masked_batch(M_GROUPED_BF16_MASKED, a, None, b, None, size, a.shape[1])
         return None

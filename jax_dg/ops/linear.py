@@ -55,14 +55,14 @@ def _t_fp8(q):
     return q[0].T, q[1].T
 
 
-@jax.custom_vjp
-def _linear(x2, w):
-    return fp8_gemm_nt(per_token_cast_to_fp8(x2), per_block_cast_to_fp8(w))
-
-
 def _linear_fwd(x2, w):
     wq = per_block_cast_to_fp8(w)
     return fp8_gemm_nt(per_token_cast_to_fp8(x2), wq), (x2, wq, jnp.zeros((), w.dtype))
+
+
+@jax.custom_vjp
+def _linear(x2, w):
+    return _linear_fwd(x2, w)[0]
 
 
 def _wgrad(g, x2):
@@ -101,17 +101,15 @@ def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # --- MoE experts: the masked layout --------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x, w, masked_m, expected_m):
-    a = jax.vmap(per_token_cast_to_fp8)(x)
-    b = jax.vmap(per_block_cast_to_fp8)(w)
-    return m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m)
-
-
 def _grouped_fwd(x, w, masked_m, expected_m):
     b = jax.vmap(per_block_cast_to_fp8)(w)
     y = m_grouped_fp8_gemm_nt_masked(jax.vmap(per_token_cast_to_fp8)(x), b, masked_m, expected_m)
     return y, (x, b, masked_m, jnp.zeros((), w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x, w, masked_m, expected_m):
+    return _grouped_fwd(x, w, masked_m, expected_m)[0]
 
 
 def _grouped_bwd(expected_m, res, dy):
