@@ -8,6 +8,10 @@
 // Ops whose call is capture-safe also get a second target whose CUDA handler is declared
 // command-buffer compatible (see JaxDgCudaGraphCall).
 //
+// It also exports the two functions of a torch pluggable allocator ("landing"): torch asks them
+// for the memory of the one allocation a DeepGEMM call makes (its logits), and they hand back
+// the XLA result buffer armed for that call, so the kernel writes straight into XLA's memory.
+//
 // Two caches keep the hot path to a few dictionary lookups:
 //   sites: the `site` attribute string (op name + static attributes) -> prepared callable;
 //   views: (pointer, dtype, shape, device) -> torch tensor viewing that memory.
@@ -176,6 +180,40 @@ ffi::Error CudaCall(void* stream, int32_t device, std::string_view site, ffi::Re
   return Call(Platform::kCuda, stream, device, site, args, rets);
 }
 
+// --- landing: a torch allocation placed in an XLA buffer ----------------------------------------
+//
+// jax_dg.core.landing arms a slot with an XLA result buffer, routes the current thread's torch
+// allocations to a fresh MemPool backed by these two functions, and makes the DeepGEMM call.
+// The slot is per thread (torch allocates on the calling thread) and serves one request: a
+// second request, or one larger than the buffer, gets nullptr (torch then fails the
+// allocation, and landing falls back to DeepGEMM's own allocation plus a copy). Freeing never
+// releases anything: the memory is XLA's.
+struct Slot {
+  void* ptr = nullptr;
+  size_t capacity = 0;
+  int device = -1;
+  bool armed = false;
+  size_t last_request = 0;  // what torch asked for last (its segment rounding, for tests)
+};
+thread_local Slot t_slot;
+std::atomic<uint64_t> g_landed{0}, g_refused{0}, g_released{0};
+
+extern "C" void* JaxDgLandingAlloc(size_t size, int device, void* /*stream*/) {
+  Slot& s = t_slot;
+  s.last_request = size;
+  if (!s.armed || device != s.device || size > s.capacity) {
+    g_refused.fetch_add(1, std::memory_order_relaxed);
+    return nullptr;
+  }
+  s.armed = false;
+  g_landed.fetch_add(1, std::memory_order_relaxed);
+  return s.ptr;
+}
+
+extern "C" void JaxDgLandingFree(void* /*ptr*/, size_t /*size*/, int /*device*/, void* /*stream*/) {
+  g_released.fetch_add(1, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgCpuCall, CpuCall,
@@ -216,6 +254,27 @@ NB_MODULE(_bridge, m) {
     d["cpu"] = nb::capsule(reinterpret_cast<void*>(JaxDgCpuCall));  // no command buffers on CPU
     d["CUDA"] = nb::capsule(reinterpret_cast<void*>(JaxDgCudaGraphCall));
     return d;
+  });
+  m.def("landing_functions", []() {
+    return nb::make_tuple(reinterpret_cast<uintptr_t>(&JaxDgLandingAlloc),
+                          reinterpret_cast<uintptr_t>(&JaxDgLandingFree));
+  });
+  m.def("landing_arm", [](uintptr_t ptr, size_t capacity, int device) {
+    t_slot.ptr = reinterpret_cast<void*>(ptr);
+    t_slot.capacity = capacity;
+    t_slot.device = device;
+    t_slot.armed = true;
+  });
+  // Disarms this thread's slot; True if it was still armed (nothing landed).
+  m.def("landing_disarm", []() {
+    bool was = t_slot.armed;
+    t_slot.armed = false;
+    t_slot.ptr = nullptr;
+    return was;
+  });
+  m.def("landing_last_request", []() { return t_slot.last_request; });
+  m.def("landing_counts", []() {
+    return nb::make_tuple(g_landed.load(), g_refused.load(), g_released.load());
   });
   m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
   m.def("install", [](nb::object prepare, nb::object retype) {

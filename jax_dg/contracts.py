@@ -45,6 +45,58 @@ def hc_split_bounds(k: int, num_split: int) -> list[tuple[int, int]]:
     return bounds
 
 
+# --- MQA logits buffers: DeepGEMM allocates them row- and column-padded ------------------------
+
+MQA_BLOCK_QH = 128         # query rows x heads per block: rows are aligned to 128 / H
+MQA_BLOCK_KV = 256         # keys per block: the kernels write whole blocks, hence the slack
+
+
+def mqa_logits_layout(rows: int, heads: int, seq_len_kv: int, max_seqlen_k: int,
+                      stride_align: int = 64) -> tuple[int, int]:
+    """(rows, row stride) of the buffer fp8_fp4_mqa_logits allocates: rows aligned to 128/H;
+    full form stride align(SK + 256, stride_align) (64 up to DeepGEMM 2.5, 256 from 2.6),
+    compressed form align(max_seqlen_k, 256)."""
+    stride = (align(max_seqlen_k, MQA_BLOCK_KV) if max_seqlen_k
+              else align(seq_len_kv + MQA_BLOCK_KV, stride_align))
+    return align(rows, MQA_BLOCK_QH // heads), stride
+
+
+def paged_logits_layout(rows: int, max_context_len: int) -> tuple[int, int]:
+    """(rows, row stride) of the buffer fp8_fp4_paged_mqa_logits allocates."""
+    return rows, align(max_context_len, MQA_BLOCK_KV)
+
+
+# torch's CUDA caching allocator asks for whole segments (c10/cuda/CUDACachingAllocator.cpp):
+# requests up to 1 MiB take a 2 MiB segment, up to 10 MiB a 20 MiB one, larger ones are rounded
+# up to 2 MiB. An allocation lands in an XLA buffer only if the buffer holds the whole segment,
+# so jax_dg lands buffers of at least LANDING_MIN_BYTES (then at most 2 MiB of slack).
+TORCH_SMALL_SEGMENT = 2 << 20
+TORCH_MID_SEGMENT = 20 << 20
+TORCH_ROUND_LARGE = 2 << 20
+LANDING_MIN_BYTES = 10 << 20
+
+
+def torch_segment_bytes(nbytes: int) -> int:
+    """The segment torch's caching allocator requests for an allocation of `nbytes`."""
+    size = max(512, align(nbytes, 512))
+    if size <= 1 << 20:
+        return TORCH_SMALL_SEGMENT
+    if size < LANDING_MIN_BYTES:
+        return TORCH_MID_SEGMENT
+    return align(size, TORCH_ROUND_LARGE)
+
+
+def landing_rows(rows: int, stride: int, itemsize: int, segmented: bool) -> int:
+    """Rows of the XLA buffer a padded [rows, stride] allocation lands in: its own rows, or
+    (segmented, i.e. torch's CUDA allocator, for buffers >= LANDING_MIN_BYTES) enough rows to
+    hold torch's whole segment. Smaller CUDA buffers are copied (the rounding would at least
+    double them)."""
+    nbytes = rows * stride * itemsize
+    if not segmented or nbytes < LANDING_MIN_BYTES:
+        return rows
+    return cdiv(torch_segment_bytes(nbytes), stride * itemsize)
+
+
 # --- paged MQA logits -------------------------------------------------------------------------
 
 SPLIT_KV = 256             # tokens per schedule split (SM90 paged kernel)

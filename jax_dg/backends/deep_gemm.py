@@ -147,3 +147,15 @@ def namespace(symbols: tuple[str, ...]) -> Namespace:
             raise missing_error(name)
         found[name] = fn
     return Namespace(**found)
+
+
+def mqa_logits_stride_align() -> int:
+    """The row-stride alignment (floats) of the full-form logits the installed DeepGEMM
+    allocates: align(SK + 256, 64) up to 2.5, align(SK + 256, 256) from 2.6 (source). The call
+    checks the real stride at run time (jax_dg.core.landing)."""
+    parts = (version() or "0.0").split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        return 64
+    return 256 if (major, minor) >= (2, 6) else 64

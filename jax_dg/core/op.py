@@ -12,12 +12,19 @@
         archs=frozenset({"sm90", "sm100"}),   # where DeepGEMM has the kernel
         arg_archs={},                         # arguments whose kernel form needs other archs
         graph_safe=frozenset({"sm90"}),       # where the call may be captured into a CUDA graph
+        view=None,           # (results, {arg: array}, **static) -> what the op returns, when
+                             #   the custom call's results are physical buffers (padded, scratch)
     )
 
 `run` is written against DeepGEMM's own API: `dg` is either the resolved DeepGEMM symbols
 (CUDA) or jax_dg's torch reference of the same contract (CPU, or any device when asked), so one
 function serves both. Absent optional arguments reach it as None; static attributes arrive as
 they were given (tuples stay tuples).
+
+`view` exists for DeepGEMM calls that allocate their own padded output: the rule declares the
+custom call's results as DeepGEMM lays them out (so the allocation can land in them, see
+jax_dg.core.landing) and `view` cuts the logical arrays out of them in XLA, where the slice
+fuses into whatever reads it. Batching, sharding and derivatives all see the viewed outputs.
 
 `graph_safe` names where `run` allocates nothing on torch's side and launches the same work on
 every call (DeepGEMM architectures, or "torch" for the torch reference): there the op lowers to
@@ -64,6 +71,8 @@ class Op:
     # Sharding rule (jax_dg.core.sharding.Sharding): which dimensions split with no collective,
     # which are contracted; None: XLA gathers the operands and runs the op whole on each device.
     sharding: Any = None
+    # The op's outputs from the custom call's results (see the module docstring); None: as they are.
+    view: Callable[..., Sequence[Any]] | None = None
     ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
 
     def __post_init__(self):
@@ -122,7 +131,10 @@ class Op:
             types = tuple(self.rule(*full, **static))
             fn = jax.ffi.ffi_call(target, types, input_output_aliases=aliases,
                                   vmap_method="sequential")   # only where no batching rule applies
-            return tuple(fn(*xs, site=site))
+            outs = tuple(fn(*xs, site=site))
+            if self.view is not None:
+                outs = tuple(self.view(outs, dict(zip(self.args, full)), **static))
+            return outs
 
         def call(*xs):
             return plain(xs)

@@ -134,11 +134,6 @@ def where_valid(out: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor) ->
     torch.where(valid, logits, neg_inf(out), out=out)
 
 
-def masked_copy(out: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor) -> None:
-    """out[i, t] = logits[i, t] if t < lens[i] else -inf: one pass over the logits."""
-    where_valid(out, columns(out, out.shape[1]) < lens.reshape(-1, 1), logits)
-
-
 def row_aligned(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """x, or a copy whose rows start `multiple` elements apart (16-byte rows for TMA)."""
     m, h = x.shape

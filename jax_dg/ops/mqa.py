@@ -2,9 +2,11 @@
 
     logits[i, n] = sum_h weights[i, h] * relu(q[i, h] . kv[n]) * kv_scale[n],   n in [ks[i], ke[i])
 
-DeepGEMM (2.5.0, SM90) allocates the logits itself, as a view with padded rows; the op's call
-copies them into XLA's output on XLA's stream, and fills the compressed form's tail (which
-DeepGEMM never writes) with -inf in the same pass.
+DeepGEMM (2.5.0, SM90) allocates the logits itself, a buffer with padded rows and columns. The
+custom call's result is declared with that layout and DeepGEMM's allocation lands in it
+(jax_dg.core.landing: no copy); the op's view slices the logical [M, N] out and sets invalid
+positions to -inf in the same XLA fusion, which XLA merges into whatever reads the logits (a
+returned array costs that one pass; `indexer_topk` reads the padded buffer itself).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import jax.numpy as jnp
 
 from jax_dg import contracts
 from jax_dg.contracts import SPARSE_BLOCKS, SPARSE_SPLIT_KV
+from jax_dg.backends import deep_gemm
+from jax_dg.core import landing
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device
@@ -33,7 +37,20 @@ NEG_INF = float("-inf")
 
 # --- fp8_fp4_mqa_logits -------------------------------------------------------------------------
 
-def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits):
+def logits_buffer(rows: int, stride: int) -> jax.ShapeDtypeStruct:
+    """The custom-call result a padded [rows, stride] float32 logits allocation lands in
+    (jax_dg.core.landing): more rows where torch's CUDA allocator rounds the allocation up."""
+    segmented = device.target().platform == "cuda"
+    return jax.ShapeDtypeStruct((contracts.landing_rows(rows, stride, 4, segmented), stride), F32)
+
+
+def stride_align() -> int:
+    """The full-form row-stride alignment of the logits the traced call's backend allocates."""
+    t = device.target()
+    return deep_gemm.mqa_logits_stride_align() if t.backend == "deep_gemm" else 64
+
+
+def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align):
     ck = Checker("mqa_logits")
     ck.ndim(q, "q[0]", 3, "[M, H, D]")
     ck.dtype(q, "q[0]", FP8)
@@ -49,33 +66,47 @@ def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logit
     ck.tensor(weights, "weights", [F32], (m, h), "[M, H]")
     ck.tensor(ks, "cu_seqlen_ks", [I32], (m,), "[M]")
     ck.tensor(ke, "cu_seqlen_ke", [I32], (m,), "[M]")
-    return [jax.ShapeDtypeStruct((m, max_seqlen_k or n), F32)]
+    rows, stride = contracts.mqa_logits_layout(m, h, n, max_seqlen_k, stride_align)
+    return [logits_buffer(rows, stride)]
 
 
-def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits):
-    # Keywords from the 6th argument on: DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes
-    # clean_logits there (a positional int would silently turn into clean_logits=True).
-    if not max_seqlen_k:
-        logits = dg.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ke,
-                                      clean_logits=clean_logits, max_seqlen_k=0)
-        out.copy_(logits)
-        return
-    # DeepGEMM does not check max_seqlen_k >= ke - ks (a longer row is written into the next
-    # one): clamp ke so a row keeps its first max_seqlen_k positions.
-    lens = (ke - ks).clamp_(max=max_seqlen_k)
-    logits = dg.fp8_fp4_mqa_logits((q, None), (kv, kv_sf), weights, ks, ks + lens,
-                                  clean_logits=False, max_seqlen_k=max_seqlen_k)
-    if clean_logits:  # the tail t >= ke - ks is never written: -inf, fused with the copy
-        rt.masked_copy(out, logits, lens)
-    else:
-        out.copy_(logits)
+def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits,
+                    stride_align):
+    # DeepGEMM writes its own allocation: land it in `out`. No cleaning here (the view masks,
+    # fused in XLA). Keywords from the 6th argument on: DeepGEMM >= 2.8 takes max_seqlen_k
+    # 6th, 2.5 takes clean_logits there (a positional int would turn into clean_logits=True).
+    rows, stride = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
+                                               stride_align)
+    landing.land(out, rows * stride * 4, lambda: dg.fp8_fp4_mqa_logits(
+        (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k))
 
 
-def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits):
+def valid_columns(ks, ke, m: int, width: int, num_keys: int, compressed: bool):
+    """bool [M, width]: where a row's logits are defined (built in XLA, fused into its reader).
+    Compressed: column t holds key ks + t, written for t < min(ke, N) - ks (ke already cut to
+    ks + width)."""
+    col = jax.lax.broadcasted_iota(I32, (m, width), 1)
+    if compressed:
+        return col < (jnp.minimum(ke, num_keys) - ks)[:, None]
+    return (col >= ks[:, None]) & (col < ke[:, None])
+
+
+def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align):
+    (buf,) = outs
+    m, n = inputs["q"].shape[0], max_seqlen_k or inputs["kv"].shape[0]
+    logits = buf[:m, :n]
+    if clean_logits:
+        valid = valid_columns(inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"], m, n,
+                              inputs["kv"].shape[0], bool(max_seqlen_k))
+        logits = jnp.where(valid, logits, NEG_INF)
+    return (logits,)
+
+
+def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align):
     return ref.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
 
 
-def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits):
+def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, stride_align):
     """vmap over batches of queries with shared keys: the batch folds into M (one kernel over
     B * M query rows); keys batched too: sequential."""
     if batched["kv"] or batched["kv_sf"]:
@@ -84,8 +115,16 @@ def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits):
     m = q.shape[1]
     (out,) = FP8_MQA_LOGITS(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w),
                             ks.reshape(-1), ke.reshape(-1), max_seqlen_k=max_seqlen_k,
-                            clean_logits=clean_logits)
+                            clean_logits=clean_logits, stride_align=stride_align)
     return (out.reshape(size, m, -1),)
+
+
+def query_sharding(out) -> Sharding:
+    """Queries (M) split with no collective; the keys are every shard's. out(static): the
+    factors of the one output, rows first ("m ...")."""
+    return Sharding(lambda names, **static: Layout(
+        {"q": "m h d", "kv": "n d", "kv_sf": "n", "weights": "m h", "cu_seqlen_ks": "m",
+         "cu_seqlen_ke": "m", "lens": "m"}, [out(static)]), free=frozenset({"m"}))
 
 
 FP8_MQA_LOGITS = Op(
@@ -96,10 +135,8 @@ FP8_MQA_LOGITS = Op(
     reference=_mqa_logits_reference,
     symbols=("fp8_fp4_mqa_logits",),
     batch=_mqa_logits_batch,
-    # queries (M) split with no collective; the keys are every shard's
-    sharding=Sharding(lambda names, *, max_seqlen_k, clean_logits: Layout(
-        {"q": "m h d", "kv": "n d", "kv_sf": "n", "weights": "m h", "cu_seqlen_ks": "m",
-         "cu_seqlen_ke": "m"}, ["m w" if max_seqlen_k else "m n"]), free=frozenset({"m"})),
+    view=_mqa_logits_view,
+    sharding=query_sharding(lambda static: "m w" if static["max_seqlen_k"] else "m n"),
 )
 
 
@@ -147,22 +184,41 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
        in them, NaN included) and only the valid ones may be read; it saves the masking work
        (a separate kernel in the full form). Valid positions are identical either way.
     """
-    ck = Checker("mqa_logits")
+    arrays, width = mqa_arguments("mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits), stride_align=stride_align())
+    _mqa_logits_rule(*arrays, **static)
+    shape = (arrays[0].shape[0], width or arrays[1].shape[0])
+    if 0 in shape or arrays[1].shape[0] == 0:  # nothing to score: every position is invalid
+        return jnp.full(shape, NEG_INF, F32)
+    (logits,) = FP8_MQA_LOGITS(*arrays, **static)
+    return logits
+
+
+def mqa_arguments(name: str, q, kv, weights, ks, ke, max_seqlen_k):
+    """The logits op's arrays (q values, kv values, kv scale, weights, ks, ke) and static
+    width from the public arguments: q's scale folded into the weights; with a width, ke cut
+    to ks + width (DeepGEMM does not check max_seqlen_k >= ke - ks: a longer row would be
+    written into the next one, so a row keeps its first width keys)."""
+    ck = Checker(name)
     qv, weights = _q_values_and_weights(ck, q, weights)
     kvv, kvs = ck.pair(kv, "kv")
-    for x, name in ((kvv, "kv[0]"), (kvs, "kv[1]"), (cu_seqlen_ks, "cu_seqlen_ks"),
-                    (cu_seqlen_ke, "cu_seqlen_ke")):
-        ck.array(x, name)
-    if max_seqlen_k is None:
-        width = 0
-    else:
-        width = ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
-    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits))
-    (spec,) = _mqa_logits_rule(qv, kvv, kvs, weights, cu_seqlen_ks, cu_seqlen_ke, **static)
-    if 0 in spec.shape or kvv.shape[0] == 0:  # nothing to score: every position is invalid
-        return jnp.full(spec.shape, NEG_INF, F32)
-    (logits,) = FP8_MQA_LOGITS(qv, kvv, kvs, weights, cu_seqlen_ks, cu_seqlen_ke, **static)
-    return logits
+    for x, arg in ((kvv, "kv[0]"), (kvs, "kv[1]"), (ks, "cu_seqlen_ks"), (ke, "cu_seqlen_ke")):
+        ck.array(x, arg)
+    width = 0 if max_seqlen_k is None else ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
+    if width:
+        ck.dtype(ks, "cu_seqlen_ks", I32)
+        ck.dtype(ke, "cu_seqlen_ke", I32)
+        if ks.shape == ke.shape:   # else the rule names the mismatch
+            ke = clamp_row_ends(ks, ke, width)
+    return (qv, kvv, kvs, weights, ks, ke), width
+
+
+def clamp_row_ends(ks, ke, width: int):
+    """ke cut to ks + width, exactly for every int32 pair (ke - ks is taken modulo 2**32, so
+    no overflow), and never below ks."""
+    span = jax.lax.bitcast_convert_type(ke, jnp.uint32) - jax.lax.bitcast_convert_type(ks, jnp.uint32)
+    span = jnp.where(ke > ks, jnp.minimum(span, jnp.uint32(width)), jnp.uint32(0))
+    return ks + span.astype(I32)
 
 
 @exposes(FP8_MQA_LOGITS)

@@ -11,9 +11,10 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
   the kernel as 2-D, as 2.5.0 requires.
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
-- Positions t >= a row's length are -inf (DeepGEMM 2.5.0 leaves real values and unwritten
-  memory there): filled in the same pass that copies DeepGEMM's padded allocation into XLA's
-  output. `clean_logits=False` skips the fill (a plain copy; those positions are unspecified).
+- DeepGEMM's padded allocation lands in the custom call's result (jax_dg.core.landing, no
+  copy); the op's view slices [rows, max_model_len] out of it and sets positions t >= a row's
+  length to -inf (DeepGEMM 2.5.0 leaves real values and unwritten memory there) in one XLA
+  fusion. `clean_logits=False` skips the mask (those positions are unspecified).
 - Block size 32: DeepGEMM reads block-table entries in pairs, so the table is padded to an
   even width and entries past each request's blocks are set to block 0 (a valid id).
 - With `schedule_metadata=None`, lengths are also clamped to the output width and the table,
@@ -32,18 +33,20 @@ import jax.numpy as jnp
 
 from jax_dg import contracts
 from jax_dg.backends import deep_gemm
+from jax_dg.core import landing
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
-from jax_dg.ops.mqa import qk_dtype_name
+from jax_dg.ops.mqa import logits_buffer, qk_dtype_name
 from jax_dg.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32
+NEG_INF = float("-inf")
 UNIT_UE8M0_X4 = 0x7F7F7F7F          # four UE8M0 exponents of 2**0
 SPARSE_KERNELS = ("fp8_fp4_sparse_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits",
                   "get_sparse_mqa_logits_metadata", "get_paged_sparse_mqa_logits_metadata")
@@ -173,7 +176,7 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
 
 def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                  indices, *, max_model_len, clean_logits, slots):
-    return [jax.ShapeDtypeStruct((q.shape[0] * q.shape[1], max_model_len), F32)]
+    return [logits_buffer(*contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len))]
 
 
 def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -181,13 +184,22 @@ def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, sche
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # the schedule of exactly these rows (a shard's, under jit)
         schedule_metadata = dg.get_paged_mqa_logits_metadata(context_lens, kv_cache.shape[1], slots, **kw)
+    # DeepGEMM's allocation lands in `out` (jax_dg.core.landing); the view masks, fused in XLA.
     # Keywords: positional arguments after the 7th changed meaning across DeepGEMM releases.
-    logits = dg.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_tables,
-                                          schedule_metadata, max_model_len, clean_logits=False, **kw)
-    if clean_logits:
-        rt.masked_copy(out, logits, context_lens)
-    else:
-        out.copy_(logits)
+    rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len)
+    landing.land(out, rows * stride * 4, lambda: dg.fp8_fp4_paged_mqa_logits(
+        (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
+        max_model_len, clean_logits=False, **kw))
+
+
+def _logits_view(outs, inputs, *, max_model_len, clean_logits, slots):
+    (buf,) = outs
+    lens = inputs["context_lens"].reshape(-1)
+    logits = buf[:lens.shape[0], :max_model_len]
+    if clean_logits:   # row r is defined for t < its length
+        col = jax.lax.broadcasted_iota(I32, logits.shape, 1)
+        logits = jnp.where(col < lens[:, None], logits, NEG_INF)
+    return (logits,)
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -210,6 +222,17 @@ def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots):
     return (out.reshape(size, -1, out.shape[-1]),)
 
 
+def request_sharding(out: str) -> Sharding:
+    """Requests (B) split with no collective, each shard scheduling its own rows (a given
+    schedule is the whole batch's: it forbids the split); the cache is every shard's. `out`:
+    the factors of the one output, rows first ("bj ...")."""
+    return Sharding(lambda names, **static: Layout(
+        {"q": "b j h d", "q_sf": "b j h", "kv_cache": "p t o e", "weights": "bj h", "context_lens": "b j",
+         "block_tables": "b x", "schedule_metadata": "s y", "indices": "b"}, [out]),
+        free=frozenset({"b"}), tied={"bj": ("b", "times", 0)},
+        forbid={"b": frozenset({"schedule_metadata"})})
+
+
 PAGED_MQA_LOGITS = Op(
     name="fp8_fp4_paged_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata",
@@ -220,18 +243,25 @@ PAGED_MQA_LOGITS = Op(
     symbols=("fp8_fp4_paged_mqa_logits",),
     arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
     batch=_logits_batch,
-    # requests (B) split with no collective, each shard scheduling its own rows (a given
-    # schedule is the whole batch's: it forbids the split); the cache is every shard's
-    sharding=Sharding(lambda names, **static: Layout(
-        {"q": "b j h d", "q_sf": "b j h", "kv_cache": "p t o e", "weights": "bj h", "context_lens": "b j",
-         "block_tables": "b x", "schedule_metadata": "s y", "indices": "b"}, ["bj l"]),
-        free=frozenset({"b"}), tied={"bj": ("b", "times", 0)},
-        forbid={"b": frozenset({"schedule_metadata"})}),
+    view=_logits_view,
+    sharding=request_sharding("bj l"),
 )
 
 
 def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                   max_model_len, indices, clean_logits):
+    arrays, static = paged_arguments(name, q, kv_cache, weights, context_lens, block_tables,
+                                     schedule_metadata, max_model_len, indices)
+    ck = Checker(name)
+    ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
+    (out,) = PAGED_MQA_LOGITS(*arrays, clean_logits=clean_logits, **static)
+    return out
+
+
+def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                    max_model_len, indices):
+    """The paged logits op's arrays and static attributes (but clean_logits) from the public
+    arguments, checked, with lengths and block table as the kernel needs them."""
     ck = Checker(name)
     qv, q_sf = ck.pair(q, "q", second_optional=True)
     PAGED_MQA_LOGITS.gate(["q"] + [n for n, x in (("q_sf", q_sf), ("indices", indices)) if x is not None])
@@ -265,7 +295,6 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
     width = block_tables.shape[1]
     max_model_len = width * blk if max_model_len is None else max_model_len
     max_model_len = ck.static_int(max_model_len, "max_model_len", 1)
-    ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
     if indices is not None:
         _check_indices(ck, indices, b, next_n)
     slots = contracts.schedule_slots(t.num_sms, next_n, t.arch, varlen=indices is not None)
@@ -291,10 +320,8 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
         block_tables = jnp.where(used, block_tables, 0)
     # Without a schedule the call computes its own (DeepGEMM's kernel, on the same stream): the
     # schedule of exactly the rows it scores, also per shard when sharded over requests.
-    (out,) = PAGED_MQA_LOGITS(qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata,
-                              indices, max_model_len=max_model_len, clean_logits=clean_logits,
-                              slots=slots)
-    return out
+    return ((qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata, indices),
+            dict(max_model_len=max_model_len, slots=slots))
 
 
 @exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)

@@ -6,11 +6,13 @@ H200), unless set: the schedule metadata and the paged logits check it as DeepGE
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from jax_dg import contracts
 
-__all__ = ["get_num_sms", "set_num_sms"]
+__all__ = ["get_num_sms", "set_num_sms"]   # DeepGEMM's API; arm_landing / padded_empty are jax_dg's
 
 _num_sms: int | None = None
 
@@ -27,3 +29,36 @@ def get_num_sms() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return contracts.DEFAULT_NUM_SMS
+
+
+# --- the one allocation of a logits call, landing in a given buffer ---------------------------
+#
+# DeepGEMM's logits calls allocate their padded output themselves; on CUDA jax_dg routes that
+# allocation into XLA's result buffer with a torch MemPool (jax_dg.core.landing). The reference
+# makes its one allocation here, so the same protocol runs on CPU: a buffer armed for the
+# current thread is used once if it is large enough, else the reference allocates as usual.
+
+_landing = threading.local()
+
+
+def arm_landing(buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """Arms (or, with None, disarms) this thread's landing buffer; returns the one that was
+    still armed (None if it was used)."""
+    previous = getattr(_landing, "buffer", None)
+    _landing.buffer = buffer
+    return previous
+
+
+def padded_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """The reference's output allocation: in the armed buffer when it fits, filled with NaN
+    (what DeepGEMM leaves unwritten is unspecified; NaN catches a caller that reads it)."""
+    buffer = arm_landing(None)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if (buffer is not None and buffer.device == torch.device(device) and buffer.is_contiguous()
+            and buffer.numel() * buffer.element_size() >= nbytes):
+        out = buffer.reshape(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+        return out.fill_(float("nan"))
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)

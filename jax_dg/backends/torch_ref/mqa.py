@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from jax_dg.backends.torch_ref.device import padded_empty
 from jax_dg.contracts import align
 
 __all__ = ["fp8_fp4_mqa_logits", "get_sparse_mqa_logits_metadata",
@@ -64,8 +65,7 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, cle
     _check(not (compressed and clean_logits), "not clean_logits")
     dtype = torch.float32 if logits_dtype is None else logits_dtype
     width = align(max_seqlen_k, BLOCK_KV) if compressed else align(seq_len_kv + BLOCK_KV, 64)
-    storage = torch.full((align(seq_len, 128 // num_heads), width), float("nan"), dtype=dtype,
-                         device=q_fp.device)
+    storage = padded_empty((align(seq_len, 128 // num_heads), width), dtype, q_fp.device)
     logits = storage[:seq_len, :max_seqlen_k if compressed else seq_len_kv]
 
     scores = weighted_relu_scores(q_fp.float(), kv_fp.float(), weights.float()) * kv_sf[None, :]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.device import get_num_sms
+from jax_dg.backends.torch_ref.device import get_num_sms, padded_empty
 from jax_dg.backends.torch_ref.mqa import mx_dequant
 from jax_dg.contracts import SPLIT_KV
 
@@ -128,8 +128,7 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     w = weights.float().view(b, next_n, h, 1)
     # DeepGEMM scores every row of a request up to its last row's length.
     scored = context_lens[:, -1].long().clamp(0, cols)
-    storage = torch.full((b * next_n, -(-max_context_len // 256) * 256), float("nan"),
-                         device=q_fp.device, dtype=torch.float32)
+    storage = padded_empty((b * next_n, -(-max_context_len // 256) * 256), torch.float32, q_fp.device)
     logits = storage[:, :max_context_len]
     step = max(1, (1 << 26) // max(next_n * h * t, 1))
     for b0 in range(0, b, step):
