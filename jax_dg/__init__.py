@@ -36,7 +36,6 @@ from jax_dg.indexer import (
     causal_ks_ke,
     fold_q_scale,
     per_row_cast_to_fp8,
-    topk_indices,
     varlen_causal_ks_ke,
 )
 from jax_dg.ops.einsum import einsum, fp8_einsum
@@ -84,6 +83,7 @@ from jax_dg.ops.paged_mqa import (
     native_next_n_supported,
     paged_mqa_logits,
 )
+from jax_dg.ops.topk import indexer_topk, paged_indexer_topk, topk_indices
 from jax_dg.quant import (
     calc_diff,
     ceil_to_ue8m0,

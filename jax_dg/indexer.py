@@ -6,7 +6,7 @@
   into the weights (exact: relu(s * x) = s * relu(x) for s > 0), as vLLM's indexer does.
 - `causal_ks_ke`, `varlen_causal_ks_ke`: the [ks, ke) key range of every query row for a causal
   prefill, over one sequence or over packed sequences given by cu_seqlens.
-- `topk_indices`: the indexer's selection, -1 where fewer than k keys are valid.
+(The selection itself, `topk_indices` and `indexer_topk`, is in jax_dg.ops.topk.)
 """
 
 from __future__ import annotations
@@ -83,15 +83,3 @@ def varlen_causal_ks_ke(cu_seqlens_q: jax.Array, num_queries: int, cu_seqlens_k:
     ke = ks + len_k - len_q + j + int(include_self)
     inside = rows < cu_q[-1]
     return jnp.where(inside, ks, 0), jnp.where(inside, jnp.maximum(ke, ks), 0)
-
-
-def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None) -> jax.Array:
-    """int32 [M, k]: the columns of the k largest logits per row, best first; -1 where the value is
-    -inf (the row has fewer than k valid keys).
-
-    For the compressed form (column t = position ks + t) pass offsets=ks to get key positions.
-    """
-    values, idx = jax.lax.top_k(logits, k)
-    if offsets is not None:
-        idx = idx + offsets[:, None].astype(idx.dtype)
-    return jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)

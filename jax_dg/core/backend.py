@@ -63,9 +63,14 @@ def concrete(backend: str, platform: str, strict: bool = True) -> str:
 
 def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
     """The kernel namespace an op's run function receives as `dg`: the resolved DeepGEMM
-    symbols, or the torch reference module (which implements DeepGEMM's API)."""
+    symbols plus jax_dg's own kernels (their torch references where those were not built),
+    or the torch reference module (which implements both APIs)."""
+    from jax_dg.backends import kernels, torch_ref
     if concrete(backend, platform) == "torch":
-        from jax_dg.backends import torch_ref
         return torch_ref
     from jax_dg.backends import deep_gemm
-    return deep_gemm.namespace(symbols)
+    own = [s for s in symbols if s in kernels.SYMBOLS]
+    ns = deep_gemm.namespace(tuple(s for s in symbols if s not in kernels.SYMBOLS))
+    for name in own:
+        setattr(ns, name, getattr(kernels if kernels.available() else torch_ref, name))
+    return ns

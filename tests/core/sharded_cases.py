@@ -101,6 +101,14 @@ def main(d: int):
     lens = jnp.asarray(ctx)
     fp = lambda q, w, lens, table: jax_dg.paged_mqa_logits(q, cache, w, lens, table, max_model_len=320)  # noqa: E731
     case("paged_mqa_logits/B", fp, (qp, wp, lens, table), tuple(put(mesh, t, "x") for t in (qp, wp, lens, table)))
+    # the indexer's selection over rows, and the fused steps over queries / requests
+    ft = lambda x: jax_dg.topk_indices(x, 40)   # noqa: E731
+    logits = fq(q, wq, ks, ke)
+    case("topk_indices/M", ft, (logits,), (put(mesh, logits, "x"),))
+    fi = lambda q, w, ks, ke: jax_dg.indexer_topk(q, kv, w, ks, ke, 40)   # noqa: E731
+    case("indexer_topk/M", fi, (q, wq, ks, ke), tuple(put(mesh, t, "x") for t in (q, wq, ks, ke)))
+    fpi = lambda q, w, lens, table: jax_dg.paged_indexer_topk(q, cache, w, lens, table, 40, max_model_len=320)  # noqa: E731
+    case("paged_indexer_topk/B", fpi, (qp, wp, lens, table), tuple(put(mesh, t, "x") for t in (qp, wp, lens, table)))
 
     # shapes that do not split raise, naming the rule
     if d == 1:

@@ -12,6 +12,7 @@ import pytest
 
 import jax_dg
 from jax_dg.core import bridge, device, runtime
+from jax_dg.backends import kernels
 from jax_dg.core.op import Op
 from tests.conftest import same_bits
 
@@ -19,6 +20,8 @@ GRAPH_SAFE = ["fp8_gemm_nt", "bf16_gemm_nt", "bf16_gemm_nn", "bf16_gemm_tn", "bf
               "cublaslt_gemm_nt", "cublaslt_gemm_nn", "cublaslt_gemm_tn", "cublaslt_gemm_tt",
               "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
               "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked"]
+if kernels.available():   # jax_dg's own top-k kernel allocates nothing; its torch reference does
+    GRAPH_SAFE.append("topk_rows")
 
 
 def fp8_case(m=128, n=256, k=256, seed=0):
@@ -173,6 +176,7 @@ def _gpu_cases(key):
          (am, bg, mm)),
         ("m_grouped_bf16_gemm_nt_masked", lambda a, b, m: jax_dg.m_grouped_bf16_gemm_nt_masked(a, b, m, 64),
          (xm, wg, mm)),
+        ("topk_rows", lambda x: jax_dg.topk_indices(x, 512), (jax.random.normal(k4, (256, 8192)),)),
     ]
 
 
@@ -188,9 +192,9 @@ def _perturbed(args, i):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(8), ids=lambda i: ["fp8_gemm_nt", "bf16_gemm_nt", "bf16_gemm_nn",
+@pytest.mark.parametrize("case", range(9), ids=lambda i: ["fp8_gemm_nt", "bf16_gemm_nt", "bf16_gemm_nn",
                          "cublaslt_gemm_nt", "fp8_contiguous", "bf16_contiguous", "fp8_masked",
-                         "bf16_masked"][i])
+                         "bf16_masked", "topk"][i])
 def test_gpu_captured_replays_equal_eager_and_call_no_python(case):
     name, fn, args = _gpu_cases(jax.random.PRNGKey(case))[case]
     inputs = [_perturbed(args, i) for i in range(CHAIN)]

@@ -1,0 +1,290 @@
+"""The indexer's selection: per-row top-k of logits, and the whole indexer step in one call.
+
+- `topk_indices(logits, k)`: the columns of each row's k largest logits. On the GPU this is
+  jax_dg's own kernel (kernels/topk.cu: a radix select, then a sort of the k survivors), exact
+  and deterministic: the same indices in the same order as `lax.top_k` documents (value
+  descending, lower index first on ties; XLA's own GPU top-k keeps that tie order only for
+  short rows: it splits rows of 32k keys and more). `sorted=False` gives the same set in
+  column order without the sort. -inf, NaN and columns outside an optional [ks, ke) range are not
+  candidates; slots past a row's candidates are -1.
+- `indexer_topk(q, kv, weights, ks, ke, k)`: DeepGEMM's MQA logits and that selection in one
+  custom call. The logits land in a scratch result that only the selection reads (it never
+  becomes a JAX array, is never cleaned or copied): the selection ignores positions outside
+  [ks, ke) itself. `paged_indexer_topk` is the same for the paged decode step.
+
+Where the kernel was not built (no CUDA toolkit at install), the torch reference of the same
+contract runs (a stable sort: exact, slower).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dg import contracts
+from jax_dg.backends import kernels
+from jax_dg.core.checks import Checker
+from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.sharding import Layout, Sharding
+from jax_dg.ops import mqa, paged_mqa
+from jax_dg.reference import topk as ref
+
+F32 = jnp.float32
+I32 = jnp.int32
+MAX_K = 4096       # kernels/topk.cu sorts the survivors in shared memory
+# Capture-safe where the kernel runs (it allocates nothing); the torch reference allocates.
+_GRAPH_SAFE = frozenset({"sm90", "sm100"}) if kernels.available() else frozenset()
+
+
+def _check_sorted(ck: Checker, sorted) -> bool:
+    ck.that(isinstance(sorted, bool), "sorted", "must be a Python bool", sorted)
+    return sorted
+
+
+def _check_k(ck: Checker, k) -> int:
+    k = ck.static_int(k, "k", minimum=1)
+    ck.that(k <= MAX_K, "k", f"must be <= {MAX_K}", k)
+    return k
+
+
+# --- topk over a logits array -----------------------------------------------------------------
+
+def _topk_rule(logits, lo, hi, *, k, sorted):
+    ck = Checker("topk_indices")
+    ck.ndim(logits, "logits", 2, "[M, N]")
+    ck.dtype(logits, "logits", F32)
+    m = logits.shape[0]
+    for x, name in ((lo, "ks"), (hi, "ke")):
+        if x is not None:
+            ck.tensor(x, name, [I32], (m,), "[M]")
+    return [jax.ShapeDtypeStruct((m, k), I32)]
+
+
+def _topk_run(dg, logits, lo, hi, out, *, k, sorted):
+    dg.topk_rows(logits, lo, hi, out, logits.shape[1], sorted)
+
+
+def _topk_reference(logits, lo, hi, *, k, sorted):
+    return ref.topk_rows(logits, lo, hi, rows=logits.shape[0], cols=logits.shape[1], k=k, sorted=sorted)
+
+
+def _topk_batch(size, batched, inputs, *, k, sorted):
+    """vmap: batches of rows fold into the rows (one kernel)."""
+    x = bcast(inputs["logits"], batched["logits"], size)
+    lo, hi = (None if inputs.get(n) is None else bcast(inputs[n], batched[n], size).reshape(-1)
+              for n in ("lo", "hi"))
+    (idx,) = TOPK(fold_rows(x), lo, hi, k=k, sorted=sorted)
+    return (idx.reshape(size, -1, k),)
+
+
+TOPK = Op(
+    name="topk_rows",
+    args=("logits", "lo", "hi"),
+    rule=_topk_rule,
+    run=_topk_run,
+    reference=_topk_reference,
+    symbols=("topk_rows",),
+    graph_safe=_GRAPH_SAFE,
+    batch=_topk_batch,
+    # rows split with no collective; a row's columns are never split
+    sharding=Sharding(lambda names, **static: Layout({"logits": "m n", "lo": "m", "hi": "m"}, ["m k"]),
+                      free=frozenset({"m"})),
+)
+
+
+@exposes(TOPK)
+def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
+                 ks: jax.Array | None = None, ke: jax.Array | None = None,
+                 sorted: bool = True) -> jax.Array:
+    """int32 [M, k]: the columns of the k largest logits of each row of float32 [M, N].
+
+    Exactly lax.top_k's indices and order (value descending, the lower column first among
+    equal values), except that -inf, NaN and columns outside [ks[i], ke[i]) (when given, int32
+    [M]) are never selected: their slots, after a row's candidates, are -1.
+    offsets: int32 [M] added to every selected column (the compressed logits form: column t
+       is key ks + t, so offsets=ks gives key positions); -1 stays -1.
+    k: static, 1 <= k <= 4096 (k > N leaves at least k - N slots -1).
+    sorted: False returns the same set in column order (ascending; -1 slots last) and skips
+       the sort: what a sparse attention over the selected keys needs, and faster.
+    """
+    ck = Checker("topk_indices")
+    ck.array(logits, "logits")
+    k = _check_k(ck, k)
+    for x, name in ((ks, "ks"), (ke, "ke"), (offsets, "offsets")):
+        if x is not None:
+            ck.array(x, name)
+    if offsets is not None:
+        ck.tensor(offsets, "offsets", [I32], (logits.shape[0],) if logits.ndim == 2 else (), "[M]")
+    sorted = _check_sorted(ck, sorted)
+    _topk_rule(logits, ks, ke, k=k, sorted=sorted)
+    if 0 in logits.shape:
+        idx = jnp.full((logits.shape[0], k), -1, I32)
+    else:
+        (idx,) = TOPK(logits, ks, ke, k=k, sorted=sorted)
+    if offsets is not None:
+        idx = jnp.where(idx >= 0, idx + offsets[:, None], -1)
+    return idx
+
+
+# --- the indexer step: MQA logits and top-k in one call ----------------------------------------
+
+def _indexer_rule(q, kv, kv_sf, weights, ks, ke, lens, *, k, sorted, max_seqlen_k, stride_align):
+    (scratch,) = mqa._mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k,
+                                      clean_logits=False, stride_align=stride_align)
+    return [jax.ShapeDtypeStruct((q.shape[0], k), I32), scratch]
+
+
+def _indexer_run(dg, q, kv, kv_sf, weights, ks, ke, lens, idx, scratch, *, k, sorted,
+                 max_seqlen_k, stride_align):
+    mqa._mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, scratch, max_seqlen_k=max_seqlen_k,
+                        clean_logits=False, stride_align=stride_align)
+    if max_seqlen_k:   # column t is key ks + t, written for t < lens
+        dg.topk_rows(scratch, None, lens, idx, max_seqlen_k, sorted)
+    else:
+        dg.topk_rows(scratch, ks, ke, idx, kv.shape[0], sorted)
+
+
+def _indexer_view(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
+    idx = outs[0]
+    if max_seqlen_k:
+        idx = jnp.where(idx >= 0, idx + inputs["cu_seqlen_ks"][:, None], -1)
+    return (idx,)
+
+
+def _indexer_reference(q, kv, kv_sf, weights, ks, ke, lens, *, k, sorted, max_seqlen_k, stride_align):
+    from jax_dg.reference import mqa as ref_mqa
+    logits = ref_mqa.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
+    idx = ref.topk_rows(logits, None, None, rows=logits.shape[0], cols=logits.shape[1], k=k,
+                        sorted=sorted)
+    return _indexer_view((idx,), {"cu_seqlen_ks": ks}, k=k, sorted=sorted,
+                         max_seqlen_k=max_seqlen_k, stride_align=stride_align)
+
+
+def _indexer_batch(size, batched, inputs, *, k, sorted, max_seqlen_k, stride_align):
+    if batched["kv"] or batched["kv_sf"]:
+        return None
+    q, w, ks, ke = (bcast(inputs[n], batched[n], size)
+                    for n in ("q", "weights", "cu_seqlen_ks", "cu_seqlen_ke"))
+    lens = None if inputs.get("lens") is None else bcast(inputs["lens"], batched["lens"], size).reshape(-1)
+    (idx,) = INDEXER_TOPK(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w), ks.reshape(-1),
+                          ke.reshape(-1), lens, k=k, sorted=sorted, max_seqlen_k=max_seqlen_k,
+                          stride_align=stride_align)
+    return (idx.reshape(size, -1, k),)
+
+
+INDEXER_TOPK = Op(
+    name="indexer_topk",
+    args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke", "lens"),
+    rule=_indexer_rule,
+    run=_indexer_run,
+    reference=_indexer_reference,
+    symbols=("fp8_fp4_mqa_logits", "topk_rows"),
+    batch=_indexer_batch,
+    view=_indexer_view,
+    sharding=mqa.query_sharding(lambda static: "m k"),
+)
+
+
+@exposes(INDEXER_TOPK)
+def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
+                 max_seqlen_k: int | None = None, sorted: bool = True) -> jax.Array:
+    """The lightning indexer's step: int32 [M, k] key positions of each query's k best keys.
+
+    Equal to topk_indices(mqa_logits(q, kv, weights, ks, ke, max_seqlen_k=...), k) (with
+    offsets=ks in the compressed form), computed without handing the logits back: DeepGEMM
+    writes them into a scratch buffer that only the selection reads. Arguments as for
+    `mqa_logits`; k static, 1 <= k <= 4096. Slots past a row's valid keys are -1.
+    sorted=False: the same set in ascending key order, without the sort (see topk_indices).
+    """
+    arrays, width = mqa.mqa_arguments("indexer_topk", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke,
+                                      max_seqlen_k)
+    ck = Checker("indexer_topk")
+    k = _check_k(ck, k)
+    static = dict(k=k, sorted=_check_sorted(ck, sorted), max_seqlen_k=width,
+                  stride_align=mqa.stride_align())
+    qv, kvv, kvs, w, ks, ke = arrays
+    lens = None
+    if width and ks.shape == ke.shape:
+        lens = jnp.minimum(ke, kvv.shape[0]) - ks   # ke already cut to ks + width
+    _indexer_rule(qv, kvv, kvs, w, ks, ke, lens, **static)
+    if 0 in qv.shape[:1] or kvv.shape[0] == 0:
+        return jnp.full((qv.shape[0], k), -1, I32)
+    (idx,) = INDEXER_TOPK(qv, kvv, kvs, w, ks, ke, lens, **static)
+    return idx
+
+
+# --- the paged decode step ------------------------------------------------------------------
+
+def _paged_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                indices, *, k, sorted, max_model_len, slots):
+    (scratch,) = paged_mqa._logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables,
+                                        schedule_metadata, indices, max_model_len=max_model_len,
+                                        clean_logits=False, slots=slots)
+    return [jax.ShapeDtypeStruct((q.shape[0] * q.shape[1], k), I32), scratch]
+
+
+def _paged_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+               indices, idx, scratch, *, k, sorted, max_model_len, slots):
+    paged_mqa._logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables,
+                          schedule_metadata, indices, scratch, max_model_len=max_model_len,
+                          clean_logits=False, slots=slots)
+    dg.topk_rows(scratch, None, context_lens.reshape(-1), idx, max_model_len, sorted)
+
+
+def _paged_view(outs, inputs, **static):
+    return (outs[0],)
+
+
+def _paged_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                     indices, *, k, sorted, max_model_len, slots):
+    from jax_dg.reference import paged_mqa as ref_paged
+    logits = ref_paged.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
+                                        max_model_len=max_model_len)
+    return ref.topk_rows(logits, None, context_lens.reshape(-1), rows=logits.shape[0],
+                         cols=max_model_len, k=k, sorted=sorted)
+
+
+def _paged_batch(size, batched, inputs, *, k, sorted, max_model_len, slots):
+    if batched["kv_cache"] or any(inputs.get(n) is not None for n in ("q_sf", "indices", "schedule_metadata")):
+        return None
+    q, w, lens, table = (bcast(inputs[n], batched[n], size)
+                         for n in ("q", "weights", "context_lens", "block_tables"))
+    (idx,) = PAGED_INDEXER_TOPK(fold_rows(q), None, inputs["kv_cache"], fold_rows(w), fold_rows(lens),
+                                fold_rows(table), None, None, k=k, sorted=sorted,
+                                max_model_len=max_model_len,
+                                slots=slots)
+    return (idx.reshape(size, -1, k),)
+
+
+PAGED_INDEXER_TOPK = Op(
+    name="paged_indexer_topk",
+    args=paged_mqa.PAGED_MQA_LOGITS.args,
+    rule=_paged_rule,
+    run=_paged_run,
+    reference=_paged_reference,
+    symbols=("fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata", "topk_rows"),
+    arg_archs=paged_mqa.PAGED_MQA_LOGITS.arg_archs,
+    batch=_paged_batch,
+    view=_paged_view,
+    sharding=paged_mqa.request_sharding("bj k"),
+)
+
+
+@exposes(PAGED_INDEXER_TOPK)
+def paged_indexer_topk(q, kv_cache, weights, context_lens, block_tables, k: int, *,
+                       max_model_len=None, schedule_metadata=None, indices=None,
+                       sorted: bool = True) -> jax.Array:
+    """The indexer's decode step: int32 [B * next_n, k] token positions of each query row's k
+    best cached tokens (-1 past a row's length), without handing the logits back.
+
+    Equal to topk_indices(paged_mqa_logits(...), k); arguments as for `paged_mqa_logits` (q:
+    the FP8 values or a (values, scales) pair).
+    """
+    q = tuple(q) if isinstance(q, (tuple, list)) else (q, None)
+    arrays, static = paged_mqa.paged_arguments("paged_indexer_topk", q, kv_cache, weights,
+                                               context_lens, block_tables, schedule_metadata,
+                                               max_model_len, indices)
+    ck = Checker("paged_indexer_topk")
+    k = _check_k(ck, k)
+    (idx,) = PAGED_INDEXER_TOPK(*arrays, k=k, sorted=_check_sorted(ck, sorted), **static)
+    return idx

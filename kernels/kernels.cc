@@ -1,0 +1,31 @@
+// Python binding of jax_dg's own CUDA kernels (kernels/*.cu). Built only where CMake finds a
+// CUDA toolkit; without it jax_dg runs the torch reference of the same kernels.
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+
+namespace nb = nanobind;
+
+extern "C" int JaxDgTopkMaxK();
+extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
+                             int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+
+NB_MODULE(_kernels, m) {
+  m.doc() = "jax_dg's own CUDA kernels (see kernels/)";
+  m.def("topk_max_k", &JaxDgTopkMaxK);
+  // Pointers as integers (torch's data_ptr(), the raw stream): the caller owns the memory.
+  m.def("topk_rows", [](uintptr_t logits, int64_t stride, uintptr_t lo, uintptr_t hi, int rows,
+                        int cols, int k, bool sorted, uintptr_t out, uintptr_t stream) {
+    int err = JaxDgTopkRows(reinterpret_cast<const float*>(logits), stride,
+                            reinterpret_cast<const int*>(lo), reinterpret_cast<const int*>(hi),
+                            rows, cols, k, sorted ? 1 : 0, reinterpret_cast<int*>(out),
+                            reinterpret_cast<cudaStream_t>(stream));
+    if (err != 0) {
+      throw nb::value_error((std::string("jax_dg topk_rows: CUDA error ") +
+                             cudaGetErrorString(static_cast<cudaError_t>(err))).c_str());
+    }
+  });
+}

@@ -1,0 +1,262 @@
+"""The indexer's selection (topk_indices) and the fused indexer steps (indexer_topk,
+paged_indexer_topk): exact against lax.top_k through the pure-JAX reference, ties, -inf and
+NaN rows, ranges, k past the valid keys, transforms, bad inputs; on the GPU jax_dg's own
+kernel bitwise against lax.top_k and against deep_gemm + torch.topk."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dg
+from jax_dg.core.checks import ArgumentError
+from tests.conftest import digest, run, to_torch
+from tests.ops.test_mqa import gpu_inputs, make_inputs, varied_ranges
+from tests.ops.test_paged_mqa import gpu_case, make_case
+
+I32 = jnp.int32
+
+
+def tricky_logits(keys, m, n, levels=7):
+    """Few distinct values (many ties), +0.0 and -0.0, an all -inf row, NaNs, -inf holes."""
+    x = jnp.round(jax.random.normal(keys(), (m, n)) * levels) / levels
+    x = x.at[0].set(-jnp.inf)
+    x = x.at[1, : n // 3].set(jnp.nan)
+    x = x.at[2].set(jnp.where(jnp.arange(n) % 2 == 0, 0.0, -0.0))
+    x = x.at[3, ::3].set(-jnp.inf)
+    return x
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 299, 300, 301, 1000])
+@pytest.mark.parametrize("ranged", [False, True])
+def test_matches_lax_top_k_exactly(keys, k, ranged):
+    m, n = 24, 300
+    x = tricky_logits(keys, m, n)
+    ks, ke = varied_ranges(keys, m, n) if ranged else (None, None)
+    f = lambda x, ks, ke: jax_dg.topk_indices(x, k, ks=ks, ke=ke)   # noqa: E731
+    got, want = run("auto", f, x, ks, ke), run("xla", f, x, ks, ke)
+    np.testing.assert_array_equal(got, want)
+    # and the contract spelled out with lax.top_k itself
+    xm = np.asarray(x)
+    col = np.arange(n)[None, :]
+    ok = xm > -np.inf
+    if ranged:
+        ok &= (col >= np.asarray(ks)[:, None]) & (col < np.asarray(ke)[:, None])
+    v, i = jax.lax.top_k(jnp.where(ok, x, -jnp.inf), min(k, n))
+    expect = np.full((m, k), -1, np.int32)
+    expect[:, :min(k, n)] = np.where(np.asarray(v) > -np.inf, np.asarray(i), -1)
+    np.testing.assert_array_equal(got, expect)
+    assert (got[0] == -1).all()                          # the -inf row
+    assert not np.isin(np.arange(n // 3), got[1]).any()  # NaN is never selected
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+def test_unsorted_is_the_same_set_in_column_order(keys, ranged):
+    m, n, k = 24, 300, 100
+    x = tricky_logits(keys, m, n)
+    ks, ke = varied_ranges(keys, m, n) if ranged else (None, None)
+    srt = run("auto", lambda x, ks, ke: jax_dg.topk_indices(x, k, ks=ks, ke=ke), x, ks, ke)
+    for backend in ("auto", "xla"):
+        got = run(backend, lambda x, ks, ke: jax_dg.topk_indices(x, k, ks=ks, ke=ke, sorted=False), x, ks, ke)
+        want = np.sort(np.where(srt < 0, n, srt), axis=1)
+        np.testing.assert_array_equal(got, np.where(want == n, -1, want))
+
+
+def test_offsets_and_ties_order(keys):
+    x = jnp.zeros((2, 10)).at[0, 4].set(1.0)
+    idx = np.asarray(jax.jit(lambda x: jax_dg.topk_indices(x, 4, offsets=jnp.asarray([100, 0], I32)))(x))
+    np.testing.assert_array_equal(idx, [[104, 100, 101, 102], [0, 1, 2, 3]])   # ties: lower column first
+
+
+def test_repeated_calls_are_identical_and_inputs_unchanged(keys):
+    x = tricky_logits(keys, 16, 500)
+    before = digest(x)
+    f = jax.jit(lambda x: jax_dg.topk_indices(x, 100))
+    first = np.asarray(f(x))
+    for _ in range(5):
+        np.testing.assert_array_equal(np.asarray(f(x)), first)
+    assert digest(x) == before
+
+
+def test_vmap_folds_into_one_call(keys):
+    x = tricky_logits(keys, 12, 200).reshape(3, 4, 200)
+    f = jax.jit(jax.vmap(lambda x: jax_dg.topk_indices(x, 17)))
+    got = np.asarray(f(x))
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], np.asarray(jax_dg.topk_indices(x[i], 17)))
+    assert f.lower(x).compile().as_text().count("jax_dg_topk_rows") == 1
+
+
+def test_empty_and_bad_inputs():
+    assert jax_dg.topk_indices(jnp.zeros((0, 5)), 3).shape == (0, 3)
+    assert (np.asarray(jax_dg.topk_indices(jnp.zeros((2, 0)), 3)) == -1).all()
+    x = jnp.zeros((4, 8))
+    for call, arg in [(lambda: jax_dg.topk_indices(x, 0), "`k`"),
+                      (lambda: jax_dg.topk_indices(x, 4097), "`k`"),
+                      (lambda: jax_dg.topk_indices(x.astype(jnp.bfloat16), 2), "`logits`"),
+                      (lambda: jax_dg.topk_indices(x[0], 2), "`logits`"),
+                      (lambda: jax_dg.topk_indices(x, 2, ks=jnp.zeros((3,), I32)), "`ks`"),
+                      (lambda: jax_dg.topk_indices(x, 2, ke=jnp.zeros((4,), jnp.float32)), "`ke`"),
+                      (lambda: jax_dg.topk_indices(x, 2, offsets=jnp.zeros((5,), I32)), "`offsets`"),
+                      (lambda: jax_dg.topk_indices(x, 2, sorted=1), "`sorted`")]:
+        with pytest.raises(ArgumentError, match=arg):
+            call()
+
+
+# --- the fused steps ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [None, 400])
+def test_indexer_topk_equals_logits_then_topk(keys, width):
+    m, n = 40, 700
+    q, kv, w = make_inputs(keys, m, n, 32, 64)
+    ks, ke = varied_ranges(keys, m, n)
+    offsets = ks if width else None
+
+    def fused(q, kv, w, ks, ke):
+        return jax_dg.indexer_topk(q, kv, w, ks, ke, 128, max_seqlen_k=width)
+
+    def composed(q, kv, w, ks, ke):
+        logits = jax_dg.mqa_logits(q, kv, w, ks, ke, max_seqlen_k=width)
+        return jax_dg.topk_indices(logits, 128, offsets=offsets)
+    got = run("auto", fused, q, kv, w, ks, ke)
+    np.testing.assert_array_equal(got, run("auto", composed, q, kv, w, ks, ke))
+    # the reference's logits round differently: compare the selected sets' agreement
+    want = run("xla", fused, q, kv, w, ks, ke)
+    assert (got == want).mean() > 0.97
+    lens = np.minimum(np.asarray(ke) - np.asarray(ks), width or n)
+    np.testing.assert_array_equal((got >= 0).sum(1), np.minimum(np.maximum(lens, 0), 128))
+
+
+def test_indexer_topk_vmap_and_nothing_to_score(keys):
+    q, kv, w = make_inputs(keys, 8, 300, 32, 64)
+    ks, ke = jax_dg.causal_ks_ke(8, 300)
+    qb, wb = jnp.stack([q[0], q[0][::-1]]), jnp.stack([w, -w])
+    f = jax.jit(jax.vmap(lambda q, w: jax_dg.indexer_topk((q, None), kv, w, ks, ke, 50)))
+    got = np.asarray(f(qb, wb))
+    np.testing.assert_array_equal(got[1], np.asarray(jax_dg.indexer_topk((qb[1], None), kv, wb[1], ks, ke, 50)))
+    assert f.lower(qb, wb).compile().as_text().count("jax_dg_indexer_topk") == 1
+    empty = jax_dg.indexer_topk(q, (kv[0][:0], kv[1][:0]), w, ks * 0, ks * 0, 5)
+    assert empty.shape == (8, 5) and (np.asarray(empty) == -1).all()
+    with pytest.raises(ArgumentError, match="`k`"):
+        jax_dg.indexer_topk(q, kv, w, ks, ke, 0)
+
+
+def test_paged_indexer_topk_equals_logits_then_topk():
+    q, cache, w, lens, table = make_case([300, 64, 1, 200], 2, 32, 64, 64, two_d=True, extra_blocks=5)
+
+    def fused(q, cache, w, lens, table):
+        return jax_dg.paged_indexer_topk(q, cache, w, lens, table, 64, max_model_len=320)
+
+    def composed(q, cache, w, lens, table):
+        return jax_dg.topk_indices(jax_dg.paged_mqa_logits(q, cache, w, lens, table, max_model_len=320), 64)
+    got = run("auto", fused, q, cache, w, lens, table)
+    np.testing.assert_array_equal(got, run("auto", composed, q, cache, w, lens, table))
+    assert (run("xla", fused, q, cache, w, lens, table) == got).mean() > 0.97
+    np.testing.assert_array_equal((got >= 0).sum(1), np.minimum(np.asarray(lens).reshape(-1), 64))
+
+
+# --- GPU: jax_dg's kernel, bitwise --------------------------------------------------------------
+
+def gpu_logits(key, m, n, ties):
+    x = jax.random.normal(key, (m, n), jnp.float32)
+    return jnp.round(x * 8) / 8 if ties else x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 8192, 32768, 131072])
+@pytest.mark.parametrize("k", [512, 1024, 2048])
+def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
+    import torch
+    from jax_dg.backends import kernels
+    assert kernels.available(), f"jax_dg's CUDA kernels were not built: {kernels.import_error()}"
+    m = 256 if n > 32768 else 1024
+    for ties in (False, True):
+        x = gpu_logits(keys(), m, n, ties)
+        ks = jax.random.randint(keys(), (m,), 0, n // 4)
+        ke = jnp.minimum(ks + jax.random.randint(keys(), (m,), k // 2, n), n).astype(I32)
+        for (lo, hi), srt in itertools.product(((None, None), (ks, ke)), (True, False)):
+            call = lambda x, lo, hi: jax_dg.topk_indices(x, k, ks=lo, ke=hi, sorted=srt)   # noqa: E731
+            f = jax.jit(call)
+            got = f(x, lo, hi)
+            # indices: the torch reference (a stable sort); values: lax.top_k's. (XLA's GPU
+            # top_k splits long rows and then breaks ties in another order; on CPU, and for
+            # rows up to 8k here, its indices are these too.)
+            np.testing.assert_array_equal(np.asarray(got), run("torch", call, x, lo, hi))
+            want = run("xla", call, x, lo, hi)
+            if n <= 8192:
+                np.testing.assert_array_equal(np.asarray(got), want)
+            g = np.asarray(got)
+            xs = np.asarray(x)
+            pick = lambda i: np.where(i >= 0, np.take_along_axis(xs, np.maximum(i, 0), 1), -np.inf)  # noqa: E731
+            np.testing.assert_array_equal(np.sort(pick(g), 1), np.sort(pick(want), 1))
+            for _ in range(20 if n == 8192 else 2):
+                assert bool(jnp.array_equal(f(x, lo, hi), got))
+        # the same values as torch.topk (its tie order is unspecified: compare values)
+        tx = to_torch(x)
+        tv, _ = torch.topk(tx, k, dim=1)
+        mine = torch.gather(tx, 1, to_torch(jax_dg.topk_indices(x, k)).long())
+        assert torch.equal(mine, tv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,sk", [(2048, 8192), (1024, 32768)])
+def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
+    import deep_gemm
+    import torch
+    from jax_dg.core import landing
+    q, kv, w, ks, ke = gpu_inputs(keys, s, sk, 64, 128)
+    before = digest(q, kv, w, ks, ke)
+    f = jax.jit(lambda *a: jax_dg.indexer_topk(*a, 2048))
+    counts = landing.counts()
+    idx = f(q, kv, w, ks, ke)
+    jax.block_until_ready(idx)
+    now = landing.counts()
+    assert now["landed"] > counts["landed"], "the logits did not land in XLA's buffer"
+    assert now["released"] - counts["released"] == now["landed"] - counts["landed"], \
+        "a landed segment stayed in torch's pools (it could be handed out again)"
+    assert now["refused"] == counts["refused"]
+    # bitwise equal to topk over jax_dg's (= deep_gemm's) logits
+    logits = jax.jit(lambda *a: jax_dg.mqa_logits(*a))(q, kv, w, ks, ke)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(jax_dg.topk_indices(logits, 2048)))
+    # the values torch.topk selects from deep_gemm's own logits
+    tq, tkv = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1]))
+    dg = deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, to_torch(w), to_torch(ks), to_torch(ke),
+                                      clean_logits=True, max_seqlen_k=0)
+    tv, _ = torch.topk(dg, 2048, dim=1)
+    ti = to_torch(idx).long()
+    mine = torch.where(ti >= 0, torch.gather(dg, 1, ti.clamp(min=0)), float("-inf"))
+    assert torch.equal(mine, tv)
+    for _ in range(20):
+        assert bool(jnp.array_equal(f(q, kv, w, ks, ke), idx))
+    uns = np.asarray(jax.jit(lambda *a: jax_dg.indexer_topk(*a, 2048, sorted=False))(q, kv, w, ks, ke))
+    srt = np.asarray(idx)
+    want = np.sort(np.where(srt < 0, sk, srt), axis=1)
+    np.testing.assert_array_equal(uns, np.where(want == sk, -1, want))
+    assert digest(q, kv, w, ks, ke) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [64, 256])
+def test_gpu_paged_indexer_topk(b):
+    import deep_gemm
+    import torch
+    q, cache, w, lens, table, max_len = gpu_case(b, 1, 64, avg=16384, seed=b)
+    f = jax.jit(lambda *a: jax_dg.paged_indexer_topk(*a, 2048, max_model_len=max_len))
+    idx = f(q, cache, w, lens, table)
+    logits = jax.jit(lambda *a: jax_dg.paged_mqa_logits(*a, max_model_len=max_len))(q, cache, w, lens, table)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(jax_dg.topk_indices(logits, 2048)))
+    meta = deep_gemm.get_paged_mqa_logits_metadata(to_torch(lens), 64, deep_gemm.get_num_sms())
+    dg = deep_gemm.fp8_fp4_paged_mqa_logits((to_torch(q), None), to_torch(cache), to_torch(w),
+                                            to_torch(lens), to_torch(table), meta, max_len,
+                                            clean_logits=False)
+    valid = torch.arange(max_len, device="cuda")[None, :] < to_torch(lens).reshape(-1, 1)
+    dg = torch.where(valid, dg, float("-inf"))
+    tv, _ = torch.topk(dg, 2048, dim=1)
+    ti = to_torch(idx).long()
+    assert torch.equal(torch.where(ti >= 0, torch.gather(dg, 1, ti.clamp(min=0)), float("-inf")), tv)
+    for _ in range(5):
+        assert bool(jnp.array_equal(f(q, cache, w, lens, table), idx))
