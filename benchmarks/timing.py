@@ -30,6 +30,25 @@ def per_call_us(run: Callable[[], object], sync: Callable[[object], None], n: in
     return min(samples)
 
 
+def compare(contenders: dict, n: int, repeats: int = 5, warmup: int = 3) -> dict:
+    """Per-call microseconds of each contender {name: (run, sync)}, timed interleaved: every
+    repeat times each contender in turn (n back-to-back calls, one sync), best repeat kept."""
+    best = {name: float("inf") for name in contenders}
+    for name, (run, sync) in contenders.items():
+        out = None
+        for _ in range(warmup):
+            out = run()
+        sync(out)
+    for _ in range(repeats):
+        for name, (run, sync) in contenders.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = run()
+            sync(out)
+            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
 def torch_sync(_out=None) -> None:
     import torch
     torch.cuda.synchronize()

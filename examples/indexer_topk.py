@@ -5,10 +5,13 @@
     JAX_DG_BACKEND=xla python examples/indexer_topk.py   # pure JAX, no custom call
 
 Random bf16 q and k are quantised to FP8 in JAX (q per token and head, its scale folded into the
-weights; k per row), a causal prefill mask is built, and `jax_dg.mqa_logits` + `lax.top_k`
-pick each query's top-k keys inside one `jax.jit`. The result is checked against the pure-JAX
-reference (same step traced with JAX_DG_BACKEND=xla): calc_diff of the logits on valid positions,
-identical -inf masks, and the share of top-k indices both agree on. Exit status 1 if it fails.
+weights; k per row), a causal prefill mask is built, and `jax_dg.indexer_topk` picks each
+query's top-k keys inside one `jax.jit` (DeepGEMM's logits land in a scratch buffer that only
+jax_dg's top-k kernel reads). The result is checked against the pure-JAX reference (the same
+step traced with JAX_DG_BACKEND=xla): calc_diff of `jax_dg.mqa_logits` on valid positions,
+identical -inf masks, the fused indices equal to top-k of those logits, and the share of top-k
+indices both agree on. On a GPU with deep_gemm it also times the torch route (deep_gemm's
+logits + torch.topk) the same way. Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -48,19 +51,40 @@ def make_inputs(key, seq: int, keys: int, heads: int, dim: int):
     return q, kv, weights, ks, ke
 
 
-def indexer_step(q, kv, weights, ks, ke, *, topk: int):
-    logits = jax_dg.mqa_logits(q, kv, weights, ks, ke)       # float32 [S, N], -inf outside
-    return jax_dg.topk_indices(logits, topk), logits         # int32 [S, topk], -1 if invalid
+def indexer_step(q, kv, weights, ks, ke, *, topk: int, sorted: bool = True):
+    """int32 [S, topk] key positions, best first (-1 past a row's keys); sorted=False: the
+    same set in ascending key order, which is all a sparse attention needs (no sort)."""
+    return jax_dg.indexer_topk(q, kv, weights, ks, ke, topk, sorted=sorted)
 
 
-def time_ms(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))                         # warm-up (compiles)
+def torch_route(inputs, topk: int):
+    """deep_gemm's logits + torch.topk on the same arrays (None without deep_gemm)."""
+    try:
+        import deep_gemm
+        import torch
+    except ImportError:
+        return None
+    (qv, qs), (kvv, kvs), weights, ks, ke = inputs
+    w = jax_dg.fold_q_scale(weights, qs)
+    as_torch = lambda x: torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(  # noqa: E731
+        torch.float8_e4m3fn) if x.dtype == jnp.float8_e4m3fn else torch.from_dlpack(x)
+    tq, tkv, tw, tks, tke = as_torch(qv), (as_torch(kvv), as_torch(kvs)), as_torch(w), as_torch(ks), as_torch(ke)
+
+    def run():
+        logits = deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, tw, tks, tke, clean_logits=True,
+                                              max_seqlen_k=0)
+        return torch.topk(logits, topk, dim=1)[1]
+    return run, torch.cuda.synchronize
+
+
+def time_ms(fn, *args, iters: int, sync=jax.block_until_ready) -> float:
+    sync(fn(*args))                                          # warm-up (compiles)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(iters):
             out = fn(*args)
-        jax.block_until_ready(out)
+        sync(out)
         best = min(best, (time.perf_counter() - t0) / iters * 1e3)
     return best
 
@@ -93,27 +117,35 @@ def main(argv=None) -> int:
 
     inputs = make_inputs(jax.random.PRNGKey(0), args.seq, args.keys, args.heads, args.dim)
     step = jax.jit(lambda *a: indexer_step(*a, topk=args.topk))
-    idx, logits = step(*inputs)
-    with jax_dg.use_backend("xla"):  # a fresh function: traced with the pure-JAX reference
+    unsorted = jax.jit(lambda *a: indexer_step(*a, topk=args.topk, sorted=False))
+    logits_fn = jax.jit(lambda *a: jax_dg.mqa_logits(*a))
+    idx, logits = step(*inputs), logits_fn(*inputs)
+    with jax_dg.use_backend("xla"):  # fresh functions: traced with the pure-JAX reference
         ref_step = jax.jit(lambda *a: indexer_step(*a, topk=args.topk))
-        ref_idx, ref_logits = ref_step(*inputs)
+        ref_idx, ref_logits = ref_step(*inputs), jax.jit(lambda *a: jax_dg.mqa_logits(*a))(*inputs)
 
     logits, ref_logits = np.asarray(logits), np.asarray(ref_logits)
     valid = ref_logits != -np.inf
     masks_equal = bool(np.array_equal(logits == -np.inf, ~valid))
     diff = jax_dg.calc_diff(logits[valid], ref_logits[valid])
+    fused_exact = bool(np.array_equal(np.asarray(idx), np.asarray(jax_dg.topk_indices(jnp.asarray(logits), args.topk))))
     agree = topk_agreement(np.asarray(idx), np.asarray(ref_idx))
-    ok = masks_equal and diff < MAX_DIFF and agree >= MIN_TOPK_AGREEMENT
+    ok = masks_equal and diff < MAX_DIFF and fused_exact and agree >= MIN_TOPK_AGREEMENT
 
-    logits_fn = jax.jit(lambda *a: jax_dg.mqa_logits(*a))
     t_logits = time_ms(logits_fn, *inputs, iters=args.iters)
     t_step = time_ms(step, *inputs, iters=args.iters)
+    t_unsorted = time_ms(unsorted, *inputs, iters=args.iters)
     t_ref = time_ms(ref_step, *inputs, iters=args.iters)
     print(f"check vs pure-JAX reference: calc_diff {diff:.1e} (< {MAX_DIFF:g}), -inf masks "
-          f"{'identical' if masks_equal else 'DIFFER'}, top-k agreement {agree:.2%} "
-          f"(>= {MIN_TOPK_AGREEMENT:.0%})")
+          f"{'identical' if masks_equal else 'DIFFER'}, fused = top-k of the logits: "
+          f"{'yes' if fused_exact else 'NO'}, top-k agreement {agree:.2%} (>= {MIN_TOPK_AGREEMENT:.0%})")
     print(f"time per call: mqa_logits {t_logits:.3f} ms, indexer step (logits + top-k) "
-          f"{t_step:.3f} ms, pure-JAX reference step {t_ref:.3f} ms")
+          f"{t_step:.3f} ms ({t_unsorted:.3f} ms unsorted), pure-JAX reference step {t_ref:.3f} ms")
+    route = torch_route(inputs, args.topk) if platform == "gpu" else None
+    if route is not None:
+        t_torch = time_ms(lambda: route[0](), iters=args.iters, sync=lambda _: route[1]())
+        print(f"torch route (deep_gemm logits + torch.topk): {t_torch:.3f} ms -> jax_dg is "
+              f"{t_torch / t_step:.2f}x its speed sorted, {t_torch / t_unsorted:.2f}x unsorted")
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 
