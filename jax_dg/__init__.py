@@ -5,12 +5,15 @@ Layers, top to bottom; a module imports only from its own layer or the layers be
 
   public     jax_dg (this file), jax_dg.__main__
   ops        jax_dg.ops.*: one Op declaration per kernel, and their public functions;
-             user helpers: quant, scales, routing, paged, indexer, capability, exporting
+             user helpers: quant, scales, routing, paged, indexer, capability, exporting,
+             interop (torch <-> JAX arrays)
   core       jax_dg.core.*: Op and the bridge (op, bridge), checks and errors, the device and
-             trace target (device), backend selection (backend), torch-side helpers (runtime)
+             trace target (device), backend selection (backend), torch-side helpers (runtime),
+             DeepGEMM's allocations in XLA's buffers (landing)
   reference  jax_dg.reference.*: the pure-JAX references (the test oracle, backend "xla")
   backends   jax_dg.backends.*: kernel namespaces with DeepGEMM's API: deep_gemm (a leaf that
-             imports nothing of jax_dg), torch_ref (DeepGEMM's API in plain torch)
+             imports nothing of jax_dg), kernels (jax_dg's own CUDA kernels), torch_ref (both
+             APIs in plain torch)
   contracts  jax_dg.contracts: DeepGEMM's sizes and buffer layouts as plain data (no imports)
 
 The two references never borrow from each other: what both need is a contract.
@@ -31,6 +34,7 @@ from jax_dg.capability import (
 from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
 from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
+from jax_dg import interop
 from jax_dg.exporting import export_safety_checks
 from jax_dg.indexer import (
     causal_ks_ke,
@@ -117,6 +121,7 @@ from jax_dg.scales import (
 
 __version__ = "0.1.0"
 
-# What a user calls (what `python -m jax_dg info` lists): the names above, and jax_dg.paged.
+# What a user calls (what `python -m jax_dg info` lists): the names above, jax_dg.paged and
+# jax_dg.interop.
 __all__ = sorted(n for n, v in list(globals().items()) if not n.startswith("_")
-                 and (not isinstance(v, type(jax)) or n == "paged"))
+                 and (not isinstance(v, type(jax)) or n in ("paged", "interop")))

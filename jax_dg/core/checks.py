@@ -22,6 +22,11 @@ class NotDifferentiableError(TypeError):
     tracing, naming the op and what is differentiable instead)."""
 
 
+def is_torch_tensor(x: Any) -> bool:
+    """Whether x is a torch tensor (checked without importing torch)."""
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr")
+
+
 class Checker:
     """Collects the checks of one op call; `fail` raises ArgumentError("op: `arg` rule, got ...")."""
 
@@ -39,6 +44,10 @@ class Checker:
             self.fail(arg, rule, got)
 
     def array(self, x: Any, arg: str) -> None:
+        if is_torch_tensor(x):
+            self.fail(arg, "must be a jax.Array, not a torch tensor: convert it with "
+                      "jax_dg.interop.to_jax (zero-copy), or call the function through "
+                      "jax_dg.interop.torch_callable", type(x).__name__)
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             self.fail(arg, "must be an array", type(x).__name__)
 

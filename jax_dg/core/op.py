@@ -43,7 +43,7 @@ import numpy as np
 from jax_dg import contracts
 from jax_dg.core import backend as selection
 from jax_dg.core import bridge, device, sharding
-from jax_dg.core.checks import NotDifferentiableError, UnsupportedArchError
+from jax_dg.core.checks import Checker, NotDifferentiableError, UnsupportedArchError, is_torch_tensor
 
 DIFFERENTIABLE = ("bf16_gemm_{nt,nn,tn,tt}", "cublaslt_gemm_{nt,nn,tn,tt}", "fp8_linear",
                   "fp8_grouped_linear")
@@ -108,6 +108,9 @@ class Op:
     def __call__(self, *arrays: Any, **static: Any):
         if len(arrays) != len(self.args):
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
+        for name, a in zip(self.args, arrays):   # before any rule reads them
+            if is_torch_tensor(a):
+                Checker(self.name).array(a, name)
         self.rule(*arrays, **static)          # the checks, before any backend is chosen
         backend = selection.requested()
         if backend == "xla":
