@@ -194,6 +194,7 @@ struct Slot {
   int device = -1;
   bool armed = false;
   size_t last_request = 0;  // what torch asked for last (its segment rounding, for tests)
+  uint64_t refused = 0;      // requests this thread's allocator refused (landing's fallback cue)
 };
 thread_local Slot t_slot;
 std::atomic<uint64_t> g_landed{0}, g_refused{0}, g_released{0};
@@ -202,6 +203,7 @@ extern "C" void* JaxDgLandingAlloc(size_t size, int device, void* /*stream*/) {
   Slot& s = t_slot;
   s.last_request = size;
   if (!s.armed || device != s.device || size > s.capacity) {
+    ++s.refused;
     g_refused.fetch_add(1, std::memory_order_relaxed);
     return nullptr;
   }
@@ -273,6 +275,7 @@ NB_MODULE(_bridge, m) {
     return was;
   });
   m.def("landing_last_request", []() { return t_slot.last_request; });
+  m.def("landing_refused", []() { return t_slot.refused; });   // this thread's, all time
   m.def("landing_counts", []() {
     return nb::make_tuple(g_landed.load(), g_refused.load(), g_released.load());
   });

@@ -58,14 +58,14 @@ def _on_cuda(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Ten
         return make(), None                        # not worth landing: DeepGEMM's own buffer
     device = out.device.index
     pool = torch.cuda.MemPool(allocator())
-    refused = _bridge.landing_counts()[1]
+    refused = _bridge.landing_refused()            # this thread's: other calls cannot move it
     _bridge.landing_arm(out.data_ptr(), capacity, device)
     C = torch._C
     C._cuda_beginAllocateCurrentThreadToPool(device, pool.id)
     try:
         result = make()
     except RuntimeError:
-        if _bridge.landing_counts()[1] == refused:
+        if _bridge.landing_refused() == refused:
             raise
         result = None                              # our allocator refused: torch's own below
     finally:

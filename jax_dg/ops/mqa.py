@@ -87,8 +87,14 @@ def valid_columns(ks, ke, m: int, width: int, num_keys: int, compressed: bool):
     ks + width)."""
     col = jax.lax.broadcasted_iota(I32, (m, width), 1)
     if compressed:
-        return col < (jnp.minimum(ke, num_keys) - ks)[:, None]
+        return col < compressed_lens(ks, ke, num_keys)[:, None]
     return (col >= ks[:, None]) & (col < ke[:, None])
+
+
+def compressed_lens(ks, ke, num_keys: int):
+    """Columns DeepGEMM writes per row in the compressed form: min(ke, N) - ks (ke already cut
+    to ks + width by mqa_arguments)."""
+    return jnp.minimum(ke, num_keys) - ks
 
 
 def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align):

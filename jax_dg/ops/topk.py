@@ -21,12 +21,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg import contracts
 from jax_dg.backends import kernels
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops import mqa, paged_mqa
+from jax_dg.reference import mqa as ref_mqa
+from jax_dg.reference import paged_mqa as ref_paged
 from jax_dg.reference import topk as ref
 
 F32 = jnp.float32
@@ -152,7 +153,6 @@ def _indexer_view(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
 
 
 def _indexer_reference(q, kv, kv_sf, weights, ks, ke, lens, *, k, sorted, max_seqlen_k, stride_align):
-    from jax_dg.reference import mqa as ref_mqa
     logits = ref_mqa.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
     idx = ref.topk_rows(logits, None, None, rows=logits.shape[0], cols=logits.shape[1], k=k,
                         sorted=sorted)
@@ -205,7 +205,7 @@ def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
     qv, kvv, kvs, w, ks, ke = arrays
     lens = None
     if width and ks.shape == ke.shape:
-        lens = jnp.minimum(ke, kvv.shape[0]) - ks   # ke already cut to ks + width
+        lens = mqa.compressed_lens(ks, ke, kvv.shape[0])
     _indexer_rule(qv, kvv, kvs, w, ks, ke, lens, **static)
     if 0 in qv.shape[:1] or kvv.shape[0] == 0:
         return jnp.full((qv.shape[0], k), -1, I32)
@@ -237,7 +237,6 @@ def _paged_view(outs, inputs, **static):
 
 def _paged_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                      indices, *, k, sorted, max_model_len, slots):
-    from jax_dg.reference import paged_mqa as ref_paged
     logits = ref_paged.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
                                         max_model_len=max_model_len)
     return ref.topk_rows(logits, None, context_lens.reshape(-1), rows=logits.shape[0],

@@ -106,11 +106,13 @@ def test_allocator_serves_one_request_that_fits():
 def test_allocator_slot_is_per_thread():
     alloc, _ = allocator_functions()
     _bridge.landing_arm(0x2000, 4096, 0)
+    mine = _bridge.landing_refused()
     seen = []
     t = threading.Thread(target=lambda: seen.append(alloc(64, 0, None)))
     t.start()
     t.join()
     assert seen == [None]                         # another thread's request: refused
+    assert _bridge.landing_refused() == mine      # ... and counted as that thread's
     assert alloc(64, 0, None) == 0x2000
     _bridge.landing_disarm()
 

@@ -91,6 +91,14 @@ def test_vmap_folds_into_one_call(keys):
     assert f.lower(x).compile().as_text().count("jax_dg_topk_rows") == 1
 
 
+def test_the_ops_bound_on_k_is_the_kernels():
+    from jax_dg.backends import kernels
+    from jax_dg.ops import topk
+    if not kernels.available():
+        pytest.skip(f"jax_dg's CUDA kernels were not built: {kernels.import_error()}")
+    assert kernels.max_k() == topk.MAX_K
+
+
 def test_empty_and_bad_inputs():
     assert jax_dg.topk_indices(jnp.zeros((0, 5)), 3).shape == (0, 3)
     assert (np.asarray(jax_dg.topk_indices(jnp.zeros((2, 0)), 3)) == -1).all()

@@ -6,6 +6,7 @@ H200), unless set: the schedule metadata and the paged logits check it as DeepGE
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -53,10 +54,7 @@ def padded_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Te
     """The reference's output allocation: in the armed buffer when it fits, filled with NaN
     (what DeepGEMM leaves unwritten is unspecified; NaN catches a caller that reads it)."""
     buffer = arm_landing(None)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if (buffer is not None and buffer.device == torch.device(device) and buffer.is_contiguous()
             and buffer.numel() * buffer.element_size() >= nbytes):
         out = buffer.reshape(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
