@@ -6,8 +6,9 @@ m_grouped_fp8_gemm_nt_contiguous and m_grouped_fp8_gemm_nt_masked at MoE shapes:
 {8, 32}, sum(M) valid rows in {4096, 32768} (rows per expert ~ sum(M)/G, uneven: x U(0.7, 1.3)),
 N 4096, K 7168; a per token, b per block (DeepGEMM's recipe).
   torch        deep_gemm called from torch into a preallocated d
-  jax_dg       the jitted op as shipped (clean=True: padding rows / rows past masked_m zeroed by a
-               select XLA runs after the kernel; output fully defined)
+  jax_dg       the jitted op as shipped (clean=True: padding rows / rows past masked_m zeroed
+               inside the call by jax_dg's kernel, which writes only those rows; output fully
+               defined)
   jax_dg raw   clean=False: the kernel's output as is, as from torch
   jnp          plain jax.numpy: dequantise to bf16 (weights every call, as when they are stored
                in FP8), then one batched dot over experts (contiguous: rows gathered into

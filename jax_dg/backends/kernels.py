@@ -8,11 +8,9 @@ of the same contract (backends.torch_ref.topk).
 
 from __future__ import annotations
 
-import types
-
 import torch
 
-SYMBOLS = frozenset({"topk_rows"})
+SYMBOLS = frozenset({"topk_rows", "zero_masked_tail", "zero_padding_rows"})
 
 try:
     from jax_dg.backends import _kernels
@@ -47,5 +45,29 @@ def topk_rows(logits: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
                        stream)
 
 
-def namespace() -> types.SimpleNamespace:
-    return types.SimpleNamespace(topk_rows=topk_rows)
+def _row_bytes(d: torch.Tensor, rows: int) -> int:
+    """Bytes per row of a dense d viewed as [rows, ...] (the kernels store 16 bytes at a time)."""
+    assert d.is_contiguous() and d.data_ptr() % 16 == 0, "d must be dense and 16-byte aligned"
+    row_bytes = d.numel() * d.element_size() // max(rows, 1)
+    assert row_bytes % 16 == 0, "rows must be a multiple of 16 bytes"
+    return row_bytes
+
+
+def zero_masked_tail(d: torch.Tensor, masked_m: torch.Tensor) -> None:
+    """d [G, Mmax, ...]: rows masked_m[g] <= r < Mmax of each group := 0 (masked_m clamped to
+    [0, Mmax]); the other rows are not touched."""
+    g, max_m = d.shape[0], d.shape[1]
+    stream = torch._C._cuda_getCurrentRawStream(d.device.index)
+    _kernels.zero_masked_tail(d.data_ptr(), _row_bytes(d, g * max_m), g, max_m, masked_m.data_ptr(),
+                              stream)
+
+
+def zero_padding_rows(d: torch.Tensor, layout: torch.Tensor, block: int,
+                      skip_padding_blocks: bool) -> None:
+    """d [M, ...]: rows with layout[r] < 0 := 0, except, with skip_padding_blocks, in blocks of
+    `block` rows whose first row has id < 0 (left as they are)."""
+    rows = d.shape[0]
+    stream = torch._C._cuda_getCurrentRawStream(d.device.index)
+    _kernels.zero_padding_rows(d.data_ptr(), _row_bytes(d, rows), rows, block, layout.data_ptr(),
+                               skip_padding_blocks, stream)
+

@@ -164,7 +164,7 @@ def _masked_batch(op, a, sfa_logical, b, sfb, size: int, m: int):
         args.append(mn_major_physical(jnp.pad(sfa_logical, pad, constant_values=1.0)))
     args += [b] + ([sfb] if sfb is not None else [])
     masked_m = jnp.full((size,), m, jnp.int32)
-    (d,) = op(*args, masked_m, expected_m=max(m, 1))
+    (d,) = op(*args, masked_m, expected_m=max(m, 1), clean=False)   # rows past m: sliced off
     return (d[:, :m],)
 
 

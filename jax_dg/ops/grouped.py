@@ -1,10 +1,12 @@
 """Grouped GEMMs for MoE experts: m-grouped (contiguous rows / masked per-expert batches), FP8 and
 BF16, and the k-grouped FP8 weight-gradient GEMM.
 
-Outputs are fully defined: with `clean=True` (default) rows DeepGEMM leaves unspecified (padding
-rows of the contiguous layout, rows past masked_m) are set to 0 by a masked select in the jitted
-program, which XLA fuses into whatever consumes the result where it can. `clean=False` skips it
-(and the input sanitising below) and returns DeepGEMM's output as is.
+Outputs are fully defined: with `clean=True` (default) the rows DeepGEMM leaves unspecified
+(padding rows of the contiguous layout, rows past masked_m) are set to 0 inside the same custom
+call, by jax_dg's own kernel (kernels/zero_rows.cu) that writes only those rows: no pass over
+the rest of d. `clean=False` skips it (and the input sanitising below) and returns DeepGEMM's
+output as is; where a's padding rows are zero (as routing.permute_to_contiguous / _to_masked
+make them) and only routed rows are read back (routing.combine_from_*), that is exact.
 
 Under jax.vmap the ops run once per batch element (the Op default, vmap_method="sequential").
 """
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.contracts import align, cdiv
+from jax_dg.backends import kernels
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
@@ -80,17 +83,20 @@ def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
 
 
 SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
+# clean=True zeroes rows with jax_dg's own kernel; its torch stand-in (no CUDA toolkit at build
+# time) allocates a mask.
+SM90_CLEAN = SM90 if kernels.available() else frozenset()
 
 # Sharding: contiguous rows split in whole alignment blocks, masked groups (experts) split, and
 # N splits, all with no collective (every shard holds all experts' weights, or its experts').
 _TIES = {"ma": ("m", "aligned", 4), "kb": ("k", "blocks", 128), "nb": ("n", "blocks", 128)}
 CONTIGUOUS_SHARDING = Sharding(
-    lambda names, *, mk_alignment: Layout(
+    lambda names, *, mk_alignment, clean: Layout(
         {"a": "m k", "sfa": "kb ma", "b": "g n k", "sfb": "g nb kb", "grouped_layout": "m"}, ["m n"],
         multiple={"m": mk_alignment}),
     free=frozenset({"m", "n"}), tied=_TIES)
 MASKED_SHARDING = Sharding(
-    lambda names, *, expected_m: Layout(
+    lambda names, *, expected_m, clean: Layout(
         {"a": "g r k", "sfa": "g kb ra", "b": "g n k", "sfb": "g nb kb", "masked_m": "g"}, ["g r n"]),
     free=frozenset({"g", "n"}), tied=_TIES)
 
@@ -98,7 +104,7 @@ MASKED_SHARDING = Sharding(
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
 
 def _contiguous_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, grouped_layout, *, mk_alignment):
+    def rule(a, sfa, b, sfb, grouped_layout, *, mk_alignment, clean):
         ck = Checker(name)
         _, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=False,
                                          mk_alignment=mk_alignment)
@@ -114,10 +120,22 @@ def _use_alignment(dg, mk_alignment):
         dg.set_mk_alignment_for_contiguous_layout(mk_alignment)
 
 
-def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment):
+# Padding rows of a block whose first row is padding: the SM90 kernels write them as 0 (FP8:
+# the block is skipped with a zero store; BF16: computed from a's rows) — see test_grouped.py's
+# GPU test of the padding rows. Rows inside a valid block are computed from a's rows.
+_SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": True}
+
+
+def _zero_padding_rows(dg, d, grouped_layout, mk_alignment, kind, clean):
+    if clean:
+        dg.zero_padding_rows(d, grouped_layout, mk_alignment, _SKIP_PADDING_BLOCKS[kind])
+
+
+def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, clean):
     _use_alignment(dg, mk_alignment)
     dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
                                         grouped_layout)
+    _zero_padding_rows(dg, d, grouped_layout, mk_alignment, "fp8", clean)
 
 
 M_GROUPED_FP8_CONTIGUOUS = Op(
@@ -125,30 +143,32 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
     rule=_contiguous_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_contiguous_run,
-    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment: ref.m_grouped_fp8_gemm_nt_contiguous(
+    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, clean: ref.m_grouped_fp8_gemm_nt_contiguous(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, layout, mk_alignment=mk_alignment),
-    symbols=("m_grouped_fp8_gemm_nt_contiguous",),
-    graph_safe=SM90,
+    symbols=("m_grouped_fp8_gemm_nt_contiguous", "zero_padding_rows"),
+    graph_safe=SM90_CLEAN,
     sharding=CONTIGUOUS_SHARDING,
 )
 
 _bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
-def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment):
+def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, clean):
     _use_alignment(dg, mk_alignment)
     dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
+    _zero_padding_rows(dg, d, grouped_layout, mk_alignment, "bf16", clean)
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
     name="m_grouped_bf16_gemm_nt_contiguous",
     args=("a", "b", "grouped_layout"),
-    rule=lambda a, b, grouped_layout, *, mk_alignment: _bf16_contiguous_rule(
-        a, None, b, None, grouped_layout, mk_alignment=mk_alignment),
+    rule=lambda a, b, grouped_layout, *, mk_alignment, clean: _bf16_contiguous_rule(
+        a, None, b, None, grouped_layout, mk_alignment=mk_alignment, clean=clean),
     run=_bf16_contiguous_run,
-    reference=ref.m_grouped_bf16_gemm_nt_contiguous,
-    symbols=("m_grouped_bf16_gemm_nt_contiguous",),
-    graph_safe=SM90,
+    reference=lambda a, b, layout, *, mk_alignment, clean: ref.m_grouped_bf16_gemm_nt_contiguous(
+        a, b, layout, mk_alignment=mk_alignment),
+    symbols=("m_grouped_bf16_gemm_nt_contiguous", "zero_padding_rows"),
+    graph_safe=SM90_CLEAN,
     sharding=CONTIGUOUS_SHARDING,
 )
 
@@ -158,9 +178,8 @@ def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
     if clean:
         # Ids outside [0, G) become padding: DeepGEMM would read past b for ids >= G.
         grouped_layout = jnp.where(grouped_layout < num_groups, grouped_layout, -1)
-    (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout())
-    if clean:
-        d = jnp.where((grouped_layout >= 0)[:, None], d, jnp.zeros((), d.dtype))
+    (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout(),
+              clean=bool(clean))
     return d
 
 
@@ -180,9 +199,11 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     M % A == 0); groups may come in any order and may be empty. A is read while tracing and
     DeepGEMM is set to it when the kernel runs. Rows of a layout that breaks it are not
     computed as written. K % 16 == 0, N % 8 == 0.
-    clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d.
-    clean=False: d straight from DeepGEMM; padding rows hold 0 or a[r] @ b[g].T for the group g
-    of their block, and ids must lie in [-1, G).
+    clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d;
+    jax_dg's kernel writes only the padding rows of blocks that hold routed rows (DeepGEMM
+    writes the others as 0). clean=False: d straight from DeepGEMM; padding rows hold 0 or
+    a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0, as
+    routing.permute_to_contiguous makes them), and ids must lie in [-1, G).
     """
     ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
     av, sfa = ck.pair(a, "a")
@@ -206,7 +227,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = Tru
 # --- m-grouped, masked layout -------------------------------------------------------------------
 
 def _masked_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, masked_m, *, expected_m):
+    def rule(a, sfa, b, sfb, masked_m, *, expected_m, clean):
         ck = Checker(name)
         g, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=True)
         ck.tensor(masked_m, "masked_m", [I32], (g,), "[G]")
@@ -215,9 +236,11 @@ def _masked_rule(name: str, fp8: bool):
     return rule
 
 
-def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m):
+def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m, clean):
     dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
                                     expected_m)
+    if clean:   # DeepGEMM never writes the blocks past masked_m: stale memory
+        dg.zero_masked_tail(d, masked_m)
 
 
 M_GROUPED_FP8_MASKED = Op(
@@ -225,29 +248,32 @@ M_GROUPED_FP8_MASKED = Op(
     args=("a", "sfa", "b", "sfb", "masked_m"),
     rule=_masked_rule("m_grouped_fp8_gemm_nt_masked", fp8=True),
     run=_fp8_masked_run,
-    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m: ref.m_grouped_fp8_gemm_nt_masked(
+    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m, clean: ref.m_grouped_fp8_gemm_nt_masked(
         a, mn_major_logical(sfa, a.shape[1]), b, sfb, masked_m, expected_m=expected_m),
-    symbols=("m_grouped_fp8_gemm_nt_masked",),
-    graph_safe=SM90,
+    symbols=("m_grouped_fp8_gemm_nt_masked", "zero_masked_tail"),
+    graph_safe=SM90_CLEAN,
     sharding=MASKED_SHARDING,
 )
 
 _bf16_masked_rule = _masked_rule("m_grouped_bf16_gemm_nt_masked", fp8=False)
 
 
-def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m):
+def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean):
     dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)
+    if clean:
+        dg.zero_masked_tail(d, masked_m)
 
 
 M_GROUPED_BF16_MASKED = Op(
     name="m_grouped_bf16_gemm_nt_masked",
     args=("a", "b", "masked_m"),
-    rule=lambda a, b, masked_m, *, expected_m: _bf16_masked_rule(a, None, b, None, masked_m,
-                                                                  expected_m=expected_m),
+    rule=lambda a, b, masked_m, *, expected_m, clean: _bf16_masked_rule(
+        a, None, b, None, masked_m, expected_m=expected_m, clean=clean),
     run=_bf16_masked_run,
-    reference=ref.m_grouped_bf16_gemm_nt_masked,
-    symbols=("m_grouped_bf16_gemm_nt_masked",),
-    graph_safe=SM90,
+    reference=lambda a, b, masked_m, *, expected_m, clean: ref.m_grouped_bf16_gemm_nt_masked(
+        a, b, masked_m, expected_m=expected_m),
+    symbols=("m_grouped_bf16_gemm_nt_masked", "zero_masked_tail"),
+    graph_safe=SM90_CLEAN,
     sharding=MASKED_SHARDING,
 )
 
@@ -258,10 +284,7 @@ def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     if clean:
         # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax].
         masked_m = jnp.clip(masked_m, 0, max_m)
-    (d,) = op(*arrays, masked_m, expected_m=expected_m)
-    if clean:
-        rows = jnp.arange(max_m, dtype=masked_m.dtype)[None, :] < masked_m[:, None]
-        d = jnp.where(rows[:, :, None], d, jnp.zeros((), d.dtype))
+    (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=bool(clean))
     return d
 
 
@@ -275,7 +298,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     masked_m: int32 [G], the valid rows of each group; expected_m: static int > 0, a hint for
     DeepGEMM's tile heuristics (typical rows per group).
     Returns d bfloat16 [G, Mmax, N]. Mmax % 128 == 0, K % 16 == 0, N % 8 == 0.
-    clean=True (default): masked_m is clipped to [0, Mmax] and rows >= masked_m[g] are 0.
+    clean=True (default): masked_m is clipped to [0, Mmax] and rows >= masked_m[g] are 0
+    (written by jax_dg's kernel, which touches only those rows).
     clean=False: d straight from DeepGEMM (rows >= masked_m[g] unspecified; masked_m must lie
     in [0, Mmax]).
     """

@@ -501,3 +501,158 @@ def test_gpu_k_grouped_matches_deep_gemm_from_torch(keys, g, m, n, expected_k, e
     assert bool(torch.equal(to_torch(jax.block_until_ready(d)), d_t)), "differs from deep_gemm's"
     assert all(bool(same_bits(f(a, b, c), d)) for _ in range(20))
     assert bool(same_bits(inputs, (a, b, c))), "inputs were written"
+
+
+# --- which rows DeepGEMM writes, and jax_dg's cleaning kernels (kernels/zero_rows.cu) ----------
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_zero_padding_rows_reference_contract(skip):
+    """The torch stand-in of the contiguous cleaning kernel: rows with id < 0 become 0, except,
+    with skip, in blocks whose first id is < 0; nothing else is touched."""
+    import torch
+    from jax_dg.backends import torch_ref
+    layout = torch.tensor([0, 0, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1], dtype=torch.int32)
+    d = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8) + 1
+    want = d.clone()
+    pad = layout < 0
+    if skip:
+        pad[4:8] = False          # the block [4, 8) starts with padding
+    want[pad] = 0
+    torch_ref.zero_padding_rows(d, layout, 4, skip)
+    assert torch.equal(d, want)
+
+
+def test_zero_masked_tail_reference_contract():
+    import torch
+    from jax_dg.backends import torch_ref
+    d = torch.arange(3 * 4 * 8, dtype=torch.float32).reshape(3, 4, 8) + 1
+    masked_m = torch.tensor([0, 3, 4], dtype=torch.int32)
+    want = d.clone()
+    want[0] = 0
+    want[1, 3:] = 0
+    torch_ref.zero_masked_tail(d, masked_m)
+    assert torch.equal(d, want)
+
+
+def test_combine_reads_only_routed_rows():
+    """combine_from_contiguous / _masked gather routed rows only: NaN in every other row of the
+    GEMM output (what clean=False may leave there) never reaches the result."""
+    topk_idx = jnp.asarray([[0, 2], [1, -1], [2, 0]], jnp.int32)
+    w = jnp.asarray([[0.5, 0.5], [1.0, 0.3], [0.25, 0.75]], jnp.float32)
+    lay = jax_dg.contiguous_layout(topk_idx, 3, alignment=4)
+    y = jnp.where((lay.grouped_layout >= 0)[:, None], jnp.ones((1, 8)) * (lay.grouped_layout[:, None] + 1),
+                  jnp.nan)
+    out = jax_dg.combine_from_contiguous(y, lay, w)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out[:, 0]), [0.5 * 1 + 0.5 * 3, 1.0 * 2, 0.25 * 3 + 0.75 * 1])
+    mlay = jax_dg.masked_layout(topk_idx, 3, 4)
+    rows = jnp.arange(4)[None, :] < mlay.masked_m[:, None]
+    ym = jnp.where(rows[:, :, None], jnp.arange(1, 4, dtype=jnp.float32)[:, None, None] * jnp.ones(8), jnp.nan)
+    np.testing.assert_array_equal(np.asarray(jax_dg.combine_from_masked(ym, mlay, w)), np.asarray(out))
+
+
+def _nan_filled(shape):
+    import torch
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def _is_nan_row(d):
+    import torch
+    return torch.isnan(d.float()).any(dim=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gpu_which_padding_rows_deep_gemm_writes(keys, fp8):
+    """Establishes, bitwise, what jax_dg's clean=True relies on (SM90): in the contiguous layout
+    DeepGEMM writes every row; the padding rows of a block whose first row is padding come out
+    0 whatever a holds; padding rows inside a block with routed rows are a[r] @ b[g].T, so 0
+    exactly where a's padding rows are 0. In the masked layout rows below masked_m are written
+    and whole blocks past it are not (stale memory: what the masked cleaning zeroes)."""
+    import deep_gemm
+    import torch
+    g, n, k = 6, 1024, 1024
+    ms = [130, 0, 64, 1, 255, 384]
+    layout_np = np.concatenate([contiguous_layout(ms), np.full(256, -1, np.int32)])  # a padding tail
+    layout = to_torch(jnp.asarray(layout_np))
+    m = layout_np.shape[0]
+    pad = layout < 0
+    head = (layout.view(-1, 128)[:, 0] < 0).repeat_interleave(128)  # rows of blocks starting with padding
+    w = jax.random.normal(keys(), (g, n, k), jnp.bfloat16)
+    b = cast_b(w) if fp8 else w
+    for zero_padding in (False, True):
+        x = jax.random.normal(keys(), (m, k), jnp.bfloat16)
+        if zero_padding:
+            x = jnp.where(jnp.asarray(layout_np)[:, None] >= 0, x, 0)
+        a = cast_a(x) if fp8 else x
+        d = _nan_filled((m, n))
+        if fp8:
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous(_torch_pair(a), _torch_pair(b), d, layout)
+        else:
+            deep_gemm.m_grouped_bf16_gemm_nt_contiguous(to_torch(a), to_torch(b), d, layout)
+        torch.cuda.synchronize()
+        assert not bool(_is_nan_row(d).any()), "DeepGEMM left contiguous rows unwritten"
+        nonzero = (d != 0).any(dim=-1)
+        assert not bool((nonzero & pad & head).any()), "a padding block came out nonzero"
+        if zero_padding:
+            assert not bool((nonzero & pad).any()), "zero padding rows of a gave nonzero rows"
+        else:   # the padding rows in routed blocks are computed: the reason clean=True exists
+            assert bool((nonzero & pad & ~head).any())
+
+    masked_np = np.asarray([0, 1, 200, 511, 512, 300], np.int32)
+    max_m = 512
+    x = jax.random.normal(keys(), (g, max_m, k), jnp.bfloat16)
+    a = cast_a(x) if fp8 else x
+    d = _nan_filled((g, max_m, n))
+    mm = to_torch(jnp.asarray(masked_np))
+    if fp8:
+        deep_gemm.m_grouped_fp8_gemm_nt_masked(_torch_pair(a), _torch_pair(b), d, mm, 256)
+    else:
+        deep_gemm.m_grouped_bf16_gemm_nt_masked(to_torch(a), to_torch(b), d, mm, 256)
+    torch.cuda.synchronize()
+    unwritten = _is_nan_row(d)
+    below = torch.arange(max_m, device="cuda")[None, :] < mm[:, None]
+    assert not bool((unwritten & below).any()), "rows below masked_m left unwritten"
+    assert bool(unwritten[0].all()), "an empty group's rows were written"
+    assert bool(unwritten[2, 256:].all()), "rows past masked_m's last block were written"
+
+
+@pytest.mark.gpu
+def test_gpu_zero_rows_kernels_match_their_reference():
+    import torch
+    from jax_dg.backends import kernels, torch_ref
+    if not kernels.available():
+        pytest.skip(f"jax_dg's kernels were not built: {kernels.import_error()}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d = torch.randn((5, 384, 264), generator=gen, device="cuda").to(torch.bfloat16)
+    masked_m = torch.tensor([0, 1, 383, 384, 1000], dtype=torch.int32, device="cuda")
+    ours, want = d.clone(), d.clone()
+    kernels.zero_masked_tail(ours, masked_m)
+    torch_ref.zero_masked_tail(want, masked_m)
+    assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
+    layout = torch.randint(-1, 3, (5 * 384,), generator=gen, device="cuda", dtype=torch.int32)
+    layout[128:256] = -1
+    flat = d.reshape(-1, 264)
+    for skip in (False, True):
+        ours, want = flat.clone(), flat.clone()
+        kernels.zero_padding_rows(ours, layout, 128, skip)
+        torch_ref.zero_padding_rows(want, layout, 128, skip)
+        assert torch.equal(ours.view(torch.int16), want.view(torch.int16)), skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gpu_clean_false_is_exact_on_zero_padding(keys, fp8):
+    """With a's padding rows 0 (routing.permute_to_contiguous), clean=False gives the same bits
+    as clean=True: the select/cleaning is unnecessary there."""
+    g, n, k = 4, 2048, 1024
+    layout_np = contiguous_layout([100, 0, 300, 7])
+    x = jax.random.normal(keys(), (layout_np.shape[0], k), jnp.bfloat16)
+    x = jnp.where(jnp.asarray(layout_np)[:, None] >= 0, x, 0)
+    w = jax.random.normal(keys(), (g, n, k), jnp.bfloat16)
+    a, b = (cast_a(x), cast_b(w)) if fp8 else (x, w)
+    fn = jax_dg.m_grouped_fp8_gemm_nt_contiguous if fp8 else jax_dg.m_grouped_bf16_gemm_nt_contiguous
+    layout = jnp.asarray(layout_np)
+    clean = jax.jit(fn)(a, b, layout)
+    raw = jax.jit(lambda a, b, l: fn(a, b, l, clean=False))(a, b, layout)
+    assert bool(same_bits(clean, raw))

@@ -15,7 +15,8 @@ __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
            "get_mk_alignment_for_contiguous_layout",
-           "set_mk_alignment_for_contiguous_layout"]
+           "set_mk_alignment_for_contiguous_layout",
+           "zero_masked_tail", "zero_padding_rows"]
 
 # DeepGEMM's BLOCK_M cap for contiguous layouts; the reference computes row by row, so it
 # only records it (the ops set it as they set DeepGEMM's).
@@ -77,3 +78,20 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:
     _masked(a.float(), b.float(), d, masked_m)
 
+
+
+# --- jax_dg's own cleaning kernels (kernels/zero_rows.cu), same contracts -------------------------
+
+def zero_masked_tail(d, masked_m) -> None:
+    """d [G, Mmax, ...]: rows masked_m[g] <= r < Mmax of each group := 0."""
+    rows = torch.arange(d.shape[1], device=d.device)[None, :] >= masked_m.to(d.device)[:, None]
+    d.masked_fill_(rows.reshape(*rows.shape, *[1] * (d.ndim - 2)), 0)
+
+
+def zero_padding_rows(d, layout, block: int, skip_padding_blocks: bool) -> None:
+    """d [M, ...]: rows with layout[r] < 0 := 0, except, with skip_padding_blocks, in blocks of
+    `block` rows whose first id is < 0."""
+    pad = layout < 0
+    if skip_padding_blocks:
+        pad &= ~pad[::block].repeat_interleave(block)[:pad.shape[0]]
+    d.masked_fill_(pad.reshape(-1, *[1] * (d.ndim - 1)), 0)
