@@ -48,6 +48,54 @@ __device__ __forceinline__ bool Before(uint32_t ka, int ia, uint32_t kb, int ib)
   return ka > kb || (ka == kb && ia < ib);
 }
 
+// Compare-exchange of one register slot with lane (lane ^ step)'s: slot index i, in a bitonic
+// run of `size` (our order where i & size == 0, reversed elsewhere).
+__device__ __forceinline__ void ShuffleStage(uint32_t& key, int& idx, int i, int lane, int step,
+                                             int size) {
+  const uint32_t pk = __shfl_xor_sync(0xffffffffu, key, step);
+  const int pi = __shfl_xor_sync(0xffffffffu, idx, step);
+  const bool lower = (lane & step) == 0;
+  const bool down = (i & size) == 0;
+  // The lower slot takes the element that goes first in this run's direction.
+  if ((lower == down) != Before(key, idx, pk, pi)) {
+    key = pk;
+    idx = pi;
+  }
+}
+
+// The bitonic stages with step < 64 of the sizes from `first` to min(64, first) .. : with
+// first == 2, sizes 2..64 entirely; else the steps 32..1 of size `first`. Warp w sorts the
+// 64-slot windows w, w + kWarps, ... in registers.
+__device__ __forceinline__ void SortWindows(uint32_t* skey, int* sidx, int windows, int warp,
+                                            int lane, int first) {
+  for (int w = warp; w < windows; w += kWarps) {
+    const int base = 64 * w;
+    uint32_t k0 = skey[base + lane], k1 = skey[base + 32 + lane];
+    int i0 = sidx[base + lane], i1 = sidx[base + 32 + lane];
+    const int last = first == 2 ? 64 : first;
+    for (int size = first; size <= last; size <<= 1) {
+      int step = size >> 1;
+      if (step > 32) step = 32;
+      for (; step > 0; step >>= 1) {
+        if (step == 32) {   // slots l and l + 32: both in this lane
+          const bool down = ((base + lane) & size) == 0;
+          if (Before(k0, i0, k1, i1) != down) {
+            const uint32_t tk = k0; k0 = k1; k1 = tk;
+            const int ti = i0; i0 = i1; i1 = ti;
+          }
+        } else {
+          ShuffleStage(k0, i0, base + lane, lane, step, size);
+          ShuffleStage(k1, i1, base + 32 + lane, lane, step, size);
+        }
+      }
+    }
+    skey[base + lane] = k0;
+    skey[base + 32 + lane] = k1;
+    sidx[base + lane] = i0;
+    sidx[base + 32 + lane] = i1;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
 TopkRowsKernel(const float* __restrict__ logits, int64_t stride, const int* __restrict__ lo,
                const int* __restrict__ hi, int cols, int k, int k_slots, int cache_cap,
@@ -221,16 +269,19 @@ TopkRowsKernel(const float* __restrict__ logits, int64_t stride, const int* __re
   }
 
   // --- bitonic sort of the slots: value descending, index ascending -----------------------
-  // Thread t always handles pair t (and t + kThreads): while the step is <= 32 a pair stays
-  // inside its warp's 64 slots, so those stages need only a warp barrier.
-  for (int size = 2; size <= k_slots; size <<= 1) {
-    for (int step = size >> 1; step > 0; step >>= 1) {
+  // Stages whose step is < 64 stay inside a 64-slot window: a warp runs them in registers
+  // (lane l holds window slots l and l + 32; shuffles exchange). Only the stages with a
+  // step >= 64 go through shared memory, one pair per thread, with block barriers.
+  const int windows = k_slots / 64;
+  SortWindows(skey, sidx, windows, warp, lane, 2);   // sizes 2..64 entirely in registers
+  __syncthreads();
+  for (int size = 128; size <= k_slots; size <<= 1) {
+    for (int step = size >> 1; step >= 64; step >>= 1) {
       for (int t = tid; t < (k_slots >> 1); t += kThreads) {
         const int a = 2 * t - (t & (step - 1));
         const int b = a + step;
         const bool down = (a & size) == 0;   // this run sorts in our order, else reversed
-        const bool ordered = Before(skey[a], sidx[a], skey[b], sidx[b]);
-        if (ordered != down) {
+        if (Before(skey[a], sidx[a], skey[b], sidx[b]) != down) {
           const uint32_t tk = skey[a];
           skey[a] = skey[b];
           skey[b] = tk;
@@ -239,13 +290,10 @@ TopkRowsKernel(const float* __restrict__ logits, int64_t stride, const int* __re
           sidx[b] = ti;
         }
       }
-      const int next = step > 1 ? step >> 1 : size;   // the next stage's step
-      if (step >= 64 || next >= 64) {
-        __syncthreads();
-      } else {
-        __syncwarp();
-      }
+      __syncthreads();
     }
+    SortWindows(skey, sidx, windows, warp, lane, size);   // this size's steps 32..1
+    __syncthreads();
   }
   __syncthreads();
   for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sidx[t] : -1;
@@ -260,7 +308,7 @@ extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return 0;
   if (k > JaxDgTopkMaxK()) return static_cast<int>(cudaErrorInvalidValue);
-  int k_slots = 2;   // a power of two >= k
+  int k_slots = 64;   // a power of two >= k, at least one warp's 64-slot window
   while (k_slots < k) k_slots <<= 1;
   // Stage rows of up to kMaxCached keys in shared memory (two CTAs per SM still fit for rows
   // of 8k keys; a 32k-key row takes one SM's worth); longer rows are read from L2 per pass.

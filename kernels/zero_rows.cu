@@ -7,9 +7,10 @@
 // the last block from a's rows.
 //
 // Contiguous layout, d [M, row_bytes]: rows whose group id is < 0. With `skip_padding_blocks`,
-// blocks of `block` rows whose first id is < 0 are left alone: the SM90 kernels write zeros
-// there (established bitwise on the H200, tests/ops/test_grouped.py); padding rows inside a
-// valid block are computed from a, so they are zero only where a's rows are.
+// blocks of `block` rows whose first id is < 0 are left alone: DeepGEMM's SM90 FP8 kernel
+// writes zeros there (established bitwise on the H200, tests/ops/test_grouped.py; its BF16
+// kernel does not); padding rows inside a valid block are computed from a, so they are zero
+// only where a's rows are.
 //
 // Rows are written with 16-byte stores: row_bytes % 16 == 0 and d 16-byte aligned (the ops'
 // shape rules: N % 8 == 0, bf16). No allocation, one launch on the given stream.
@@ -35,19 +36,17 @@ ZeroMaskedTail(uint4* __restrict__ d, int64_t row_vecs, int max_m, const int* __
   }
 }
 
-// One CTA per block of rows; the threads sweep the block's padding rows.
+// One warp per row: a padding row (of a block with routed rows, with skip_padding_blocks) is
+// written, any other row costs the warp one or two loads of the layout.
 __global__ void __launch_bounds__(kThreads)
 ZeroPaddingRows(uint4* __restrict__ d, int64_t row_vecs, int rows, int block,
                 const int* __restrict__ layout, bool skip_padding_blocks) {
-  const int r0 = blockIdx.x * block;
-  if (skip_padding_blocks && layout[r0] < 0) return;
-  const int r1 = min(r0 + block, rows);
+  const int r = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+  if (r >= rows || layout[r] >= 0) return;
+  if (skip_padding_blocks && layout[r - r % block] < 0) return;
+  uint4* row = d + static_cast<int64_t>(r) * row_vecs;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int r = r0; r < r1; ++r) {
-    if (layout[r] >= 0) continue;                 // the same id for every thread: no divergence
-    uint4* row = d + static_cast<int64_t>(r) * row_vecs;
-    for (int64_t i = threadIdx.x; i < row_vecs; i += kThreads) row[i] = zero;
-  }
+  for (int64_t i = threadIdx.x % 32; i < row_vecs; i += 32) row[i] = zero;
 }
 
 }  // namespace
@@ -63,7 +62,7 @@ extern "C" int JaxDgZeroMaskedTail(void* d, int64_t row_bytes, int groups, int m
 extern "C" int JaxDgZeroPaddingRows(void* d, int64_t row_bytes, int rows, int block,
                                     const int* layout, int skip_padding_blocks, cudaStream_t stream) {
   if (rows == 0 || row_bytes == 0) return 0;
-  const int ctas = (rows + block - 1) / block;
+  const int ctas = (rows + kThreads / 32 - 1) / (kThreads / 32);
   ZeroPaddingRows<<<ctas, kThreads, 0, stream>>>(static_cast<uint4*>(d), row_bytes / 16, rows,
                                                  block, layout, skip_padding_blocks != 0);
   return static_cast<int>(cudaGetLastError());

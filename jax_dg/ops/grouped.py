@@ -120,10 +120,10 @@ def _use_alignment(dg, mk_alignment):
         dg.set_mk_alignment_for_contiguous_layout(mk_alignment)
 
 
-# Padding rows of a block whose first row is padding: the SM90 kernels write them as 0 (FP8:
-# the block is skipped with a zero store; BF16: computed from a's rows) — see test_grouped.py's
-# GPU test of the padding rows. Rows inside a valid block are computed from a's rows.
-_SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": True}
+# Whether the padding rows of a block whose first row is padding can be left alone: the SM90
+# FP8 kernel stores zeros there; the BF16 kernel computes every row from a (established
+# bitwise on the H200: test_grouped.py::test_gpu_which_padding_rows_deep_gemm_writes).
+_SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": False}
 
 
 def _zero_padding_rows(dg, d, grouped_layout, mk_alignment, kind, clean):
@@ -200,8 +200,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     DeepGEMM is set to it when the kernel runs. Rows of a layout that breaks it are not
     computed as written. K % 16 == 0, N % 8 == 0.
     clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d;
-    jax_dg's kernel writes only the padding rows of blocks that hold routed rows (DeepGEMM
-    writes the others as 0). clean=False: d straight from DeepGEMM; padding rows hold 0 or
+    jax_dg's kernel writes only the padding rows of blocks that hold routed rows (DeepGEMM's
+    FP8 kernel writes the others as 0; the BF16 form zeroes every padding row). clean=False: d straight from DeepGEMM; padding rows hold 0 or
     a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0, as
     routing.permute_to_contiguous makes them), and ids must lie in [-1, G).
     """

@@ -564,11 +564,11 @@ def _is_nan_row(d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [True, False])
 def test_gpu_which_padding_rows_deep_gemm_writes(keys, fp8):
-    """Establishes, bitwise, what jax_dg's clean=True relies on (SM90): in the contiguous layout
-    DeepGEMM writes every row; the padding rows of a block whose first row is padding come out
-    0 whatever a holds; padding rows inside a block with routed rows are a[r] @ b[g].T, so 0
-    exactly where a's padding rows are 0. In the masked layout rows below masked_m are written
-    and whole blocks past it are not (stale memory: what the masked cleaning zeroes)."""
+    """Establishes, bitwise, what jax_dg's clean=True relies on (SM90). Contiguous: DeepGEMM
+    writes every row; padding rows inside a block with routed rows are a[r] @ b[g].T (0 exactly
+    where a's rows are 0); the rows of a block that starts with padding are 0 with FP8 whatever
+    a holds, and computed with BF16. Masked: rows below masked_m are written, whole blocks past
+    it are not (stale memory: what the masked cleaning zeroes)."""
     import deep_gemm
     import torch
     g, n, k = 6, 1024, 1024
@@ -593,11 +593,17 @@ def test_gpu_which_padding_rows_deep_gemm_writes(keys, fp8):
         torch.cuda.synchronize()
         assert not bool(_is_nan_row(d).any()), "DeepGEMM left contiguous rows unwritten"
         nonzero = (d != 0).any(dim=-1)
-        assert not bool((nonzero & pad & head).any()), "a padding block came out nonzero"
         if zero_padding:
             assert not bool((nonzero & pad).any()), "zero padding rows of a gave nonzero rows"
-        else:   # the padding rows in routed blocks are computed: the reason clean=True exists
+        else:   # padding rows in routed blocks are computed: the reason clean=True exists
             assert bool((nonzero & pad & ~head).any())
+            # FP8 stores zeros for blocks that start with padding; BF16 computes those rows too
+            # (what jax_dg's _SKIP_PADDING_BLOCKS records)
+            assert bool((nonzero & pad & head).any()) == (not fp8), "padding blocks' rows"
+            fn = jax_dg.m_grouped_fp8_gemm_nt_contiguous if fp8 else jax_dg.m_grouped_bf16_gemm_nt_contiguous
+            ours = to_torch(jax.block_until_ready(jax.jit(fn)(a, b, jnp.asarray(layout_np))))
+            assert not bool((ours[pad] != 0).any()), "jax_dg left a padding row nonzero"
+            assert torch.equal(ours[~pad].view(torch.int16), d[~pad].view(torch.int16))
 
     masked_np = np.asarray([0, 1, 200, 511, 512, 300], np.int32)
     max_m = 512
