@@ -21,7 +21,7 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kCtasPerGroup = 16;
+constexpr int kCtas = 1056;   // enough stores in flight to fill the H200's write bandwidth
 
 __global__ void __launch_bounds__(kThreads)
 ZeroMaskedTail(uint4* __restrict__ d, int64_t row_vecs, int max_m, const int* __restrict__ masked_m) {
@@ -36,17 +36,21 @@ ZeroMaskedTail(uint4* __restrict__ d, int64_t row_vecs, int max_m, const int* __
   }
 }
 
-// One warp per row: a padding row (of a block with routed rows, with skip_padding_blocks) is
-// written, any other row costs the warp one or two loads of the layout.
+// A warp per 32 rows: each lane reads one row's id, the ballot names the rows to zero, and
+// the warp writes them one after another (rows hold thousands of 16-byte vectors).
 __global__ void __launch_bounds__(kThreads)
 ZeroPaddingRows(uint4* __restrict__ d, int64_t row_vecs, int rows, int block,
                 const int* __restrict__ layout, bool skip_padding_blocks) {
-  const int r = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-  if (r >= rows || layout[r] >= 0) return;
-  if (skip_padding_blocks && layout[r - r % block] < 0) return;
-  uint4* row = d + static_cast<int64_t>(r) * row_vecs;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int64_t i = threadIdx.x % 32; i < row_vecs; i += 32) row[i] = zero;
+  const int lane = threadIdx.x % 32;
+  const int first = (blockIdx.x * (kThreads / 32) + threadIdx.x / 32) * 32;
+  const int r = first + lane;
+  bool zero = r < rows && layout[r] < 0;
+  if (zero && skip_padding_blocks) zero = layout[r - r % block] >= 0;
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  for (unsigned todo = __ballot_sync(0xffffffffu, zero); todo != 0; todo &= todo - 1) {
+    uint4* row = d + static_cast<int64_t>(first + __ffs(todo) - 1) * row_vecs;
+    for (int64_t i = lane; i < row_vecs; i += 32) row[i] = z;
+  }
 }
 
 }  // namespace
@@ -54,7 +58,8 @@ ZeroPaddingRows(uint4* __restrict__ d, int64_t row_vecs, int rows, int block,
 extern "C" int JaxDgZeroMaskedTail(void* d, int64_t row_bytes, int groups, int max_m,
                                    const int* masked_m, cudaStream_t stream) {
   if (groups == 0 || max_m == 0 || row_bytes == 0) return 0;
-  ZeroMaskedTail<<<dim3(kCtasPerGroup, groups), kThreads, 0, stream>>>(
+  const int per_group = groups >= kCtas ? 1 : kCtas / groups;
+  ZeroMaskedTail<<<dim3(per_group, groups), kThreads, 0, stream>>>(
       static_cast<uint4*>(d), row_bytes / 16, max_m, masked_m);
   return static_cast<int>(cudaGetLastError());
 }
@@ -62,7 +67,7 @@ extern "C" int JaxDgZeroMaskedTail(void* d, int64_t row_bytes, int groups, int m
 extern "C" int JaxDgZeroPaddingRows(void* d, int64_t row_bytes, int rows, int block,
                                     const int* layout, int skip_padding_blocks, cudaStream_t stream) {
   if (rows == 0 || row_bytes == 0) return 0;
-  const int ctas = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  const int ctas = (rows + kThreads - 1) / kThreads;   // a row per thread
   ZeroPaddingRows<<<ctas, kThreads, 0, stream>>>(static_cast<uint4*>(d), row_bytes / 16, rows,
                                                  block, layout, skip_padding_blocks != 0);
   return static_cast<int>(cudaGetLastError());
