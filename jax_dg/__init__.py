@@ -34,6 +34,7 @@ from jax_dg.capability import (
 from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
 from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
+from jax_dg.core.values import checked  # data-dependent index values raise instead of being clamped
 from jax_dg import interop
 from jax_dg.exporting import export_safety_checks
 from jax_dg.indexer import (

@@ -4,7 +4,8 @@ BF16, and the k-grouped FP8 weight-gradient GEMM.
 Outputs are fully defined: with `clean=True` (default) rows DeepGEMM leaves unspecified (padding
 rows of the contiguous layout, rows past masked_m) are set to 0 by a masked select in the jitted
 program, which XLA fuses into whatever consumes the result where it can. `clean=False` skips it
-(and the input sanitising below) and returns DeepGEMM's output as is.
+and returns DeepGEMM's output as is. Index vectors are always brought into range (ids outside
+[-1, G) become -1, masked_m is clipped to [0, Mmax]; jax_dg.core.values).
 
 Under jax.vmap the ops run once per batch element (the Op default, vmap_method="sequential").
 """
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import runtime as rt
+from jax_dg.core import values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.core.sharding import Layout, Sharding
@@ -155,9 +157,11 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 
 def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
     ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
-    if clean:
-        # Ids outside [0, G) become padding: DeepGEMM would read past b for ids >= G.
-        grouped_layout = jnp.where(grouped_layout < num_groups, grouped_layout, -1)
+    # Ids outside [-1, G) become padding (-1), with or without `clean`: DeepGEMM would read
+    # past b for ids >= G. A select on the [M] ids, fused.
+    values.require(ck.op, "grouped_layout", (grouped_layout >= -1) & (grouped_layout < num_groups),
+                   f"must hold group ids in [0, G = {num_groups}) or -1 (padding)", grouped_layout)
+    grouped_layout = jnp.where((grouped_layout >= 0) & (grouped_layout < num_groups), grouped_layout, -1)
     (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout())
     if clean:
         d = jnp.where((grouped_layout >= 0)[:, None], d, jnp.zeros((), d.dtype))
@@ -180,9 +184,11 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     M % A == 0); groups may come in any order and may be empty. A is read while tracing and
     DeepGEMM is set to it when the kernel runs. Rows of a layout that breaks it are not
     computed as written. K % 16 == 0, N % 8 == 0.
-    clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d.
+    Ids outside [-1, G) are treated as padding (-1) before DeepGEMM reads them (always: it
+    does not check them); under `jax_dg.checked()` they raise instead, naming grouped_layout.
+    clean=True (default): padding rows are 0 in d.
     clean=False: d straight from DeepGEMM; padding rows hold 0 or a[r] @ b[g].T for the group g
-    of their block, and ids must lie in [-1, G).
+    of their block.
     """
     ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
     av, sfa = ck.pair(a, "a")
@@ -255,9 +261,11 @@ M_GROUPED_BF16_MASKED = Op(
 def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     expected_m = ck.static_int(expected_m, "expected_m", 1)
     ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
-    if clean:
-        # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax].
-        masked_m = jnp.clip(masked_m, 0, max_m)
+    # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax], with or without
+    # `clean` (a clip on the [G] counts, fused).
+    values.require(ck.op, "masked_m", (masked_m >= 0) & (masked_m <= max_m),
+                   f"must lie in [0, Mmax = {max_m}]", masked_m)
+    masked_m = jnp.clip(masked_m, 0, max_m)
     (d,) = op(*arrays, masked_m, expected_m=expected_m)
     if clean:
         rows = jnp.arange(max_m, dtype=masked_m.dtype)[None, :] < masked_m[:, None]
@@ -275,9 +283,10 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     masked_m: int32 [G], the valid rows of each group; expected_m: static int > 0, a hint for
     DeepGEMM's tile heuristics (typical rows per group).
     Returns d bfloat16 [G, Mmax, N]. Mmax % 128 == 0, K % 16 == 0, N % 8 == 0.
-    clean=True (default): masked_m is clipped to [0, Mmax] and rows >= masked_m[g] are 0.
-    clean=False: d straight from DeepGEMM (rows >= masked_m[g] unspecified; masked_m must lie
-    in [0, Mmax]).
+    masked_m is clipped to [0, Mmax] before DeepGEMM reads it (always: it does not check it);
+    under `jax_dg.checked()` a value outside raises instead, naming masked_m.
+    clean=True (default): rows >= masked_m[g] are 0.
+    clean=False: d straight from DeepGEMM (rows >= masked_m[g] unspecified).
     """
     ck = Checker("m_grouped_fp8_gemm_nt_masked")
     av, sfa = ck.pair(a, "a")
