@@ -7,7 +7,8 @@ Layers, top to bottom; a module imports only from its own layer or the layers be
   ops        jax_dg.ops.*: one Op declaration per kernel, and their public functions;
              user helpers: quant, scales, routing, paged, indexer, capability, exporting,
              interop (torch <-> JAX arrays)
-  core       jax_dg.core.*: Op and the bridge (op, bridge), checks and errors, the device and
+  core       jax_dg.core.*: Op and the bridge (op, bridge), checks and errors, index values
+             (values: sanitised, or checked under jax_dg.checked()), the device and
              trace target (device), backend selection (backend), torch-side helpers (runtime),
              DeepGEMM's allocations in XLA's buffers (landing)
   reference  jax_dg.reference.*: the pure-JAX references (the test oracle, backend "xla")
@@ -34,6 +35,7 @@ from jax_dg.capability import (
 from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
 from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
+from jax_dg.core.values import checked  # data-dependent index values raise instead of being clamped
 from jax_dg import interop
 from jax_dg.exporting import export_safety_checks
 from jax_dg.indexer import (

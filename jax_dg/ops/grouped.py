@@ -4,9 +4,10 @@ BF16, and the k-grouped FP8 weight-gradient GEMM.
 Outputs are fully defined: with `clean=True` (default) the rows DeepGEMM leaves unspecified
 (padding rows of the contiguous layout, rows past masked_m) are set to 0 inside the same custom
 call, by jax_dg's own kernel (kernels/zero_rows.cu) that writes only those rows: no pass over
-the rest of d. `clean=False` skips it (and the input sanitising below) and returns DeepGEMM's
-output as is; where a's padding rows are zero (as routing.permute_to_contiguous / _to_masked
-make them) and only routed rows are read back (routing.combine_from_*), that is exact.
+the rest of d. `clean=False` skips it and returns DeepGEMM's output as is; where a's padding
+rows are zero (as routing.permute_to_contiguous / _to_masked make them) and only routed rows
+are read back (routing.combine_from_*), that is exact. Index vectors are always brought into
+range (ids outside [-1, G) become -1, masked_m is clipped to [0, Mmax]; jax_dg.core.values).
 
 Under jax.vmap the ops run once per batch element (the Op default, vmap_method="sequential").
 """
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax_dg.contracts import align, cdiv
 from jax_dg.backends import kernels
 from jax_dg.core import runtime as rt
+from jax_dg.core import values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.core.sharding import Layout, Sharding
@@ -175,9 +177,11 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 
 def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
     ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
-    if clean:
-        # Ids outside [0, G) become padding: DeepGEMM would read past b for ids >= G.
-        grouped_layout = jnp.where(grouped_layout < num_groups, grouped_layout, -1)
+    # Ids outside [-1, G) become padding (-1), with or without `clean`: DeepGEMM would read
+    # past b for ids >= G. A select on the [M] ids, fused.
+    values.require(ck.op, "grouped_layout", (grouped_layout >= -1) & (grouped_layout < num_groups),
+                   f"must hold group ids in [0, G = {num_groups}) or -1 (padding)", grouped_layout)
+    grouped_layout = jnp.where((grouped_layout >= 0) & (grouped_layout < num_groups), grouped_layout, -1)
     (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout(),
               clean=bool(clean))
     return d
@@ -199,11 +203,13 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     M % A == 0); groups may come in any order and may be empty. A is read while tracing and
     DeepGEMM is set to it when the kernel runs. Rows of a layout that breaks it are not
     computed as written. K % 16 == 0, N % 8 == 0.
-    clean=True (default): padding rows (and ids outside [0, G), treated as padding) are 0 in d;
-    jax_dg's kernel writes only the padding rows of blocks that hold routed rows (DeepGEMM's
-    FP8 kernel writes the others as 0; the BF16 form zeroes every padding row). clean=False: d straight from DeepGEMM; padding rows hold 0 or
-    a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0, as
-    routing.permute_to_contiguous makes them), and ids must lie in [-1, G).
+    Ids outside [-1, G) are treated as padding (-1) before DeepGEMM reads them (always: it
+    does not check them); under `jax_dg.checked()` they raise instead, naming grouped_layout.
+    clean=True (default): padding rows are 0 in d; jax_dg's kernel writes only the padding
+    rows of blocks that hold routed rows (DeepGEMM's FP8 kernel writes the others as 0; the
+    BF16 form zeroes every padding row). clean=False: d straight from DeepGEMM; padding rows
+    hold 0 or a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0,
+    as routing.permute_to_contiguous makes them).
     """
     ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
     av, sfa = ck.pair(a, "a")
@@ -281,9 +287,11 @@ M_GROUPED_BF16_MASKED = Op(
 def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     expected_m = ck.static_int(expected_m, "expected_m", 1)
     ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
-    if clean:
-        # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax].
-        masked_m = jnp.clip(masked_m, 0, max_m)
+    # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax], with or without
+    # `clean` (a clip on the [G] counts, fused).
+    values.require(ck.op, "masked_m", (masked_m >= 0) & (masked_m <= max_m),
+                   f"must lie in [0, Mmax = {max_m}]", masked_m)
+    masked_m = jnp.clip(masked_m, 0, max_m)
     (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=bool(clean))
     return d
 
@@ -298,10 +306,11 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     masked_m: int32 [G], the valid rows of each group; expected_m: static int > 0, a hint for
     DeepGEMM's tile heuristics (typical rows per group).
     Returns d bfloat16 [G, Mmax, N]. Mmax % 128 == 0, K % 16 == 0, N % 8 == 0.
-    clean=True (default): masked_m is clipped to [0, Mmax] and rows >= masked_m[g] are 0
-    (written by jax_dg's kernel, which touches only those rows).
-    clean=False: d straight from DeepGEMM (rows >= masked_m[g] unspecified; masked_m must lie
-    in [0, Mmax]).
+    masked_m is clipped to [0, Mmax] before DeepGEMM reads it (always: it does not check it);
+    under `jax_dg.checked()` a value outside raises instead, naming masked_m.
+    clean=True (default): rows >= masked_m[g] are 0 (written by jax_dg's kernel, which
+    touches only those rows). clean=False: d straight from DeepGEMM (rows >= masked_m[g]
+    unspecified).
     """
     ck = Checker("m_grouped_fp8_gemm_nt_masked")
     av, sfa = ck.pair(a, "a")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.core import runtime as rt
+from jax_dg.core import values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.reference import moe_gate as ref
@@ -123,6 +124,32 @@ BF16_MEGA_GATE = Op(
 )
 
 
+def _sanitise(ck: Checker, weight, fix, unmapped, to_physical_map, logical_count):
+    """The index values DeepGEMM reads unchecked, brought into range (selects on [T, num_topk]
+    and [E + S] vectors, fused): a fixed row whose ids are not all in [0, E) is routed afresh
+    (its fix flag cleared; ids are clipped into range, and the kernel overwrites the rows it
+    routes), and logical_count is clipped to [1, num_duplicates]. In checked mode
+    (jax_dg.checked) they raise instead."""
+    if not hasattr(weight, "shape") or len(weight.shape) != 2:
+        return fix, unmapped, logical_count     # the rule names what is wrong
+    e = weight.shape[0]
+    if fix is not None and unmapped is not None and hasattr(fix, "shape") and \
+            fix.shape == unmapped.shape[:1] and jnp.dtype(fix.dtype) == jnp.bool_:
+        row_ok = jnp.all((unmapped >= 0) & (unmapped < e), axis=1)
+        values.require(ck.op, "unmapped_topk_idx", ~fix | row_ok,
+                       f"must hold expert ids in [0, E = {e}) in the rows of fix_routing_mask")
+        fix = fix & row_ok
+        unmapped = jnp.clip(unmapped, 0, e - 1)
+    if logical_count is not None and to_physical_map is not None and \
+            getattr(to_physical_map, "ndim", 0) == 2 and getattr(logical_count, "ndim", 0) == 1:
+        dup = max(1, to_physical_map.shape[1])
+        ck.dtype(logical_count, "logical_count", jnp.int32)
+        values.require(ck.op, "logical_count", (logical_count >= 1) & (logical_count <= dup),
+                       f"must lie in [1, num_duplicates = {dup}]", logical_count)
+        logical_count = jnp.clip(logical_count, 1, dup)
+    return fix, unmapped, logical_count
+
+
 @exposes(BF16_MEGA_GATE)
 def bf16_mega_gate(x, weight, num_topk, *, scoring_func, routed_scaling_factor, ep_rank,
                    bias=None, image_bias=None, image_token_mask=None, fix_routing_mask=None,
@@ -143,6 +170,10 @@ def bf16_mega_gate(x, weight, num_topk, *, scoring_func, routed_scaling_factor, 
         weight 0), num_shared_experts S in {1, 2} (use_shared_as_routed: S extra slots with index
         E + s and weight 1), to_physical_map int32 [E + S, dup] with logical_count int32 [E + S]
         (expert replication; token t picks duplicate (ep_rank + 23333 t) % count).
+    Index values DeepGEMM reads unchecked are brought into range first: logical_count is
+    clipped to [1, num_duplicates]; a row of fix_routing_mask whose unmapped_topk_idx ids are
+    not all in [0, E) is routed afresh as if not fixed. Under `jax_dg.checked()` they raise
+    instead, naming the argument.
 
     Returns (topk_weights float32 [T, num_topk + S], topk_idx [T, num_topk + S]), best expert
     first, ties to the smaller index; with return_unmapped_topk_idx also the logical top-k that
@@ -166,6 +197,8 @@ def bf16_mega_gate(x, weight, num_topk, *, scoring_func, routed_scaling_factor, 
     if unmapped_topk_idx is not None:
         ck.dtype(unmapped_topk_idx, "unmapped_topk_idx", jnp.int32, jnp.int64)
         unmapped_topk_idx = unmapped_topk_idx.astype(idt)
+    fix_routing_mask, unmapped_topk_idx, logical_count = _sanitise(
+        ck, weight, fix_routing_mask, unmapped_topk_idx, to_physical_map, logical_count)
     outs = BF16_MEGA_GATE(
         x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map,
         logical_count, unmapped_topk_idx, num_topk=num_topk, scoring_func=str(scoring_func),

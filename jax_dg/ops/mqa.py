@@ -20,7 +20,7 @@ from jax_dg.backends import deep_gemm
 from jax_dg.core import landing
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
-from jax_dg.core import device
+from jax_dg.core import device, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.indexer import fold_q_scale
@@ -180,8 +180,11 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
     kv: (values float8_e4m3fn [N, D], scale float32 [N]) -- see `jax_dg.per_row_cast_to_fp8`.
     weights: float32 [M, H].
     cu_seqlen_ks, cu_seqlen_ke: int32 [M]; row i scores keys n in [ks[i], ke[i]) (empty if
-       ke[i] <= ks[i]). Expected 0 <= ks[i] and ke[i] <= N (DeepGEMM reads out of bounds
-       otherwise); see `jax_dg.causal_ks_ke` / `varlen_causal_ks_ke`.
+       ke[i] <= ks[i]); see `jax_dg.causal_ks_ke` / `varlen_causal_ks_ke`. Out-of-range values
+       are clamped in the jitted program before DeepGEMM reads them (it does not check them):
+       the row's range is [clip(ks, 0, N), clip(ke, that, N)), so keys outside [0, N) are
+       never read and in the compressed form column t is key clip(ks, 0, N) + t. Under
+       `jax_dg.checked()` ks < 0 or ke > N raises instead, naming the argument.
     max_seqlen_k: None -> the full float32 [M, N] form. A static int > 0 -> the compressed
        [M, max_seqlen_k] form: column t holds key ks[i] + t for t < ke[i] - ks[i]. It should be
        >= max(ke - ks); longer rows keep their first max_seqlen_k keys.
@@ -211,12 +214,24 @@ def mqa_arguments(name: str, q, kv, weights, ks, ke, max_seqlen_k):
     for x, arg in ((kvv, "kv[0]"), (kvs, "kv[1]"), (ks, "cu_seqlen_ks"), (ke, "cu_seqlen_ke")):
         ck.array(x, arg)
     width = 0 if max_seqlen_k is None else ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
-    if width:
-        ck.dtype(ks, "cu_seqlen_ks", I32)
-        ck.dtype(ke, "cu_seqlen_ke", I32)
-        if ks.shape == ke.shape:   # else the rule names the mismatch
+    ck.dtype(ks, "cu_seqlen_ks", I32)
+    ck.dtype(ke, "cu_seqlen_ke", I32)
+    if ks.shape == ke.shape and ks.ndim == 1 and kvv.ndim == 2:   # else the rule names it
+        ks, ke = clamp_key_ranges(name, ks, ke, kvv.shape[0])
+        if width:
             ke = clamp_row_ends(ks, ke, width)
     return (qv, kvv, kvs, weights, ks, ke), width
+
+
+def clamp_key_ranges(name: str, ks, ke, num_keys: int):
+    """(ks, ke) brought into 0 <= ks <= ke <= N (a clamp on two [M] vectors, fused by XLA):
+    DeepGEMM reads keys [ks, ke) unchecked. A row's range becomes [clip(ks, 0, N),
+    clip(ke, ks', N)): keys outside [0, N) do not exist, ke <= ks stays an empty row. In
+    checked mode (jax_dg.checked) ks < 0 or ke > N raises instead."""
+    values.require(name, "cu_seqlen_ks", ks >= 0, "must be >= 0 (a key index)", ks)
+    values.require(name, "cu_seqlen_ke", ke <= num_keys, f"must be <= N = {num_keys} (keys)", ke)
+    ks = jnp.clip(ks, 0, num_keys)
+    return ks, jnp.clip(ke, ks, num_keys)
 
 
 def clamp_row_ends(ks, ke, width: int):

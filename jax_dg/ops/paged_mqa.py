@@ -17,11 +17,18 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
   fusion. `clean_logits=False` skips the mask (those positions are unspecified).
 - Block size 32: DeepGEMM reads block-table entries in pairs, so the table is padded to an
   even width and entries past each request's blocks are set to block 0 (a valid id).
-- With `schedule_metadata=None`, lengths are also clamped to the output width and the table,
-  and the call computes the schedule of the clamped lengths itself (DeepGEMM's metadata kernel,
-  on the same stream; per shard when sharded over requests), so no length can make the kernel
-  write out of bounds. A caller-supplied schedule must come from the same context_lens
-  (as with DeepGEMM), with lengths <= max_model_len and <= max_blocks * block_size.
+- Values DeepGEMM uses as addresses are brought into range in the jitted program (selects on
+  the [B] lengths and the [B, max_blocks] table, fused; `sanitise_paged`): a block-table entry
+  outside [0, num_blocks) ends its request's context at that block (the rows are -inf from its
+  first token on, and paged_indexer_topk never picks it; the entry itself is replaced by block
+  0), and lengths are clamped to min(max_model_len, max_blocks * block_size). So no value can
+  make the kernel read or write out of bounds. Under `jax_dg.checked()` these raise instead.
+- With `schedule_metadata=None` the call computes the schedule of the sanitised lengths itself
+  (DeepGEMM's metadata kernel, on the same stream; per shard when sharded over requests). A
+  caller-supplied schedule must come from the same context_lens (as with DeepGEMM); where
+  sanitising changed a length it is replaced by the schedule of the sanitised lengths
+  (DeepGEMM's algorithm in XLA, bit-exact), since one made for longer rows would send the
+  kernel past them. Checked mode also verifies that it is the schedule of context_lens.
 JAX arrays are always contiguous: torch's concern about block tables whose last stride is not
 1 does not arise.
 """
@@ -36,7 +43,7 @@ from jax_dg.backends import deep_gemm
 from jax_dg.core import landing
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
-from jax_dg.core import device
+from jax_dg.core import device, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.mqa import logits_buffer, qk_dtype_name
@@ -309,10 +316,16 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
         ctx = context_lens[:, None] - next_n + 1 + jnp.arange(next_n, dtype=I32)[None, :]
     else:
         ctx = context_lens
-    last = jnp.maximum(ctx[:, -1:], 0)
-    if schedule_metadata is None:
-        last = jnp.minimum(last, min(max_model_len, width * blk))
+    given = jnp.maximum(ctx[:, -1:], 0)
+    last, block_tables = sanitise_paged(name, given, block_tables, nb, blk,
+                                        min(max_model_len, width * blk))
     ctx = jnp.concatenate([jnp.clip(ctx[:, :-1], 0, last), last], axis=1) if next_n > 1 else last
+    if indices is not None:   # request ids of the varlen form: addresses too
+        values.require(name, "indices", (indices >= 0) & (indices < b), f"must lie in [0, B = {b})",
+                       indices)
+        indices = jnp.clip(indices, 0, b - 1)
+    if schedule_metadata is not None:
+        schedule_metadata = _trusted_schedule(name, schedule_metadata, given, last, ctx, indices, slots)
     if blk == 32:   # entries are read in pairs: even width, and valid ids past each request's blocks
         if width % 2:
             block_tables = jnp.pad(block_tables, ((0, 0), (0, 1)))
@@ -322,6 +335,43 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
     # schedule of exactly the rows it scores, also per shard when sharded over requests.
     return ((qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata, indices),
             dict(max_model_len=max_model_len, slots=slots))
+
+
+def sanitise_paged(name: str, last, block_tables, num_blocks: int, blk: int, limit: int):
+    """(last [B, 1], block_tables) with every value the kernel uses as an address in range
+    (fused selects on [B] and [B, max_blocks] int32; nothing reads the cache or the logits):
+    - a block-table entry outside [0, num_blocks) ends its request's context at that block's
+      first token (the entry is replaced by block 0, which is then never scored);
+    - a length is cut to `limit` = min(max_model_len, max_blocks * block_size).
+    In checked mode (jax_dg.checked) an out-of-range entry among a request's blocks, or a length
+    above the limit, raises instead."""
+    width = block_tables.shape[1]
+    bad = (block_tables < 0) | (block_tables >= num_blocks)
+    first_bad = jnp.min(jnp.where(bad, jnp.arange(width, dtype=I32)[None, :], width), axis=1,
+                        keepdims=True)
+    used = jnp.arange(width, dtype=I32)[None, :] < (last + blk - 1) // blk
+    values.require(name, "block_tables", ~(bad & used),
+                   f"entries of a request's blocks (the first ceil(context_len / {blk})) must lie "
+                   f"in [0, num_blocks = {num_blocks})", block_tables)
+    values.require(name, "context_lens", last <= limit, f"must be <= {limit} (max_model_len and "
+                   "max_blocks * block_size)", last)
+    last = jnp.minimum(jnp.minimum(last, limit), first_bad * blk)
+    return last, jnp.where(bad, 0, block_tables)
+
+
+def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots):
+    """The caller's schedule where it is the schedule of the lengths the kernel gets; where
+    sanitising changed a length, the schedule of the sanitised lengths (DeepGEMM's algorithm in
+    XLA, bit-exact: a schedule made for longer rows would send the kernel past them)."""
+    def schedule(lens):
+        if indices is None:
+            return ref.paged_mqa_logits_metadata(lens, num_sms=slots)
+        return ref.paged_mqa_logits_varlen_metadata(lens, indices, num_sms=slots)
+    if values.checking():
+        values.require(name, "schedule_metadata", jnp.all(given_meta == schedule(given_last))[None],
+                       "must be get_paged_mqa_logits_metadata(context_lens, block_size) of these "
+                       "context_lens")
+    return jnp.where(jnp.all(last == given_last), given_meta, schedule(ctx))
 
 
 @exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
@@ -338,6 +388,10 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
     context_lens: int32 [B, next_n] (row b*next_n + j valid for t < context_lens[b, j]; the last
        column should be the largest) or [B] (row j valid for t < context_lens[b] - next_n + j + 1).
     block_tables: int32 [B, max_blocks]: logical block i of request b -> physical cache block.
+       An entry outside [0, num_blocks) (e.g. -1 for "not allocated") ends the request's
+       context at that block: positions from its first token on are -inf (never read).
+       context_lens above min(max_model_len, max_blocks * block_size) are clamped to it.
+       Under `jax_dg.checked()` both raise instead (see jax_dg.core.values).
     schedule_metadata: from get_paged_mqa_logits_metadata(context_lens, block_size) (static
        shape [slots + 1, 2] for the target device), or None to compute it here.
     max_model_len: static int, the output width.

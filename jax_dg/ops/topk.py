@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.backends import kernels
+from jax_dg.core import values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
@@ -102,8 +103,11 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
     Exactly lax.top_k's indices and order (value descending, the lower column first among
     equal values), except that -inf, NaN and columns outside [ks[i], ke[i]) (when given, int32
     [M]) are never selected: their slots, after a row's candidates, are -1.
+    ks, ke outside [0, N] select as if clamped to it (the kernel clamps them; no column
+       outside the row is read); under `jax_dg.checked()` ks < 0 or ke > N raises instead.
     offsets: int32 [M] added to every selected column (the compressed logits form: column t
-       is key ks + t, so offsets=ks gives key positions); -1 stays -1.
+       is key ks + t, so offsets=ks gives key positions); -1 stays -1. Never used as an
+       address (int32 arithmetic, wrapping).
     k: static, 1 <= k <= 4096 (k > N leaves at least k - N slots -1).
     sorted: False returns the same set in column order (ascending; -1 slots last) and skips
        the sort: what a sparse attention over the selected keys needs, and faster.
@@ -118,6 +122,12 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
         ck.tensor(offsets, "offsets", [I32], (logits.shape[0],) if logits.ndim == 2 else (), "[M]")
     sorted = _check_sorted(ck, sorted)
     _topk_rule(logits, ks, ke, k=k, sorted=sorted)
+    # The kernel clamps [ks, ke) to [0, N) itself (kernels/topk.cu): checked mode only.
+    if ks is not None:
+        values.require("topk_indices", "ks", ks >= 0, "must be >= 0 (a column)", ks)
+    if ke is not None:
+        n = logits.shape[1]
+        values.require("topk_indices", "ke", ke <= n, f"must be <= N = {n} (columns)", ke)
     if 0 in logits.shape:
         idx = jnp.full((logits.shape[0], k), -1, I32)
     else:

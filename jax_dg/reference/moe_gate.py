@@ -45,8 +45,8 @@ def score(logits: jax.Array, scoring_func: str) -> jax.Array:
 def physical_index(logical, token, ep_rank: int, to_physical_map, logical_count):
     """DeepGEMM's spread of a logical expert over its duplicates (uint32 arithmetic)."""
     spread = token.astype(jnp.uint32) * jnp.uint32(23333) + jnp.uint32(ep_rank)
-    count = logical_count[logical].astype(jnp.uint32)
-    dup = (spread % jnp.maximum(count, 1)).astype(jnp.int32)
+    count = jnp.clip(logical_count, 1, to_physical_map.shape[1])[logical].astype(jnp.uint32)
+    dup = (spread % count).astype(jnp.int32)
     return to_physical_map[logical, dup]
 
 
@@ -68,8 +68,10 @@ def bf16_mega_gate(x, weight, mask, bias, image_bias, image_token_mask, fix_rout
         ranking = scores + b
     _, selected = jax.lax.top_k(ranking, num_topk)
     selected = selected.astype(jnp.int32)
-    if fix_routing_mask is not None:
-        selected = jnp.where(fix_routing_mask[:, None], unmapped_topk_idx.astype(jnp.int32), selected)
+    if fix_routing_mask is not None:   # a fixed row with an id outside [0, E) is routed afresh
+        fixed = unmapped_topk_idx.astype(jnp.int32)
+        keep = fix_routing_mask & jnp.all((fixed >= 0) & (fixed < e), axis=1)
+        selected = jnp.where(keep[:, None], fixed, selected)
     picked = jnp.take_along_axis(scores, selected, axis=1)
     weights = picked / (picked.sum(axis=1, keepdims=True) + 1e-20) * jnp.float32(routed_scaling_factor)
     logical = selected

@@ -62,7 +62,12 @@ def compress(full: jax.Array, ks: jax.Array, ke: jax.Array, width: int) -> jax.A
 
 
 def mqa_logits(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k: int = 0) -> jax.Array:
-    """The op's oracle: float32 [M, N], or [M, max_seqlen_k] compressed; -inf where invalid."""
+    """The op's oracle: float32 [M, N], or [M, max_seqlen_k] compressed; -inf where invalid.
+    Key ranges are first brought into 0 <= ks <= ke <= N, as the op does (in the compressed
+    form column t is then key clip(ks, 0, N) + t)."""
+    n = kv.shape[0]
+    ks = jnp.clip(ks, 0, n)
+    ke = jnp.clip(ke, ks, n)
     k = kv.astype(jnp.float32) * kv_sf.astype(jnp.float32)[:, None]
     logits = weighted_relu_logits(q.astype(jnp.float32), k, weights)
     full = jnp.where(valid_mask(ks, ke, k.shape[0]), logits, NEG_INF)

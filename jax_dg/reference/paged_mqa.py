@@ -132,17 +132,23 @@ def paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables, *,
     packed UE8M0 scales [B, next_n, H], which also switch the cache's scales to UE8M0),
     kv_cache uint8 [num_blocks, block, 1, D + 4], weights [B * next_n, H],
     context_lens int32 [B, next_n] (row b*next_n + j valid for t < context_lens[b, j]),
-    block_tables int32 [B, max_blocks]. The varlen form is the case next_n = 1."""
+    block_tables int32 [B, max_blocks] (an entry outside [0, num_blocks) ends its request's
+    context at that block). The varlen form is the case next_n = 1."""
     b, next_n, h, _ = q.shape
     mx = q_sf is not None
     values, scales = split_kv_cache(kv_cache, mx_scales=mx, value_dtype=q.dtype)
-    blk = values.shape[1]
+    nb, blk = values.shape[:2]
     width = block_tables.shape[1]
     t = width * blk
     qf = _dequant_q(q, q_sf)
     d = qf.shape[-1]
     w = weights.astype(jnp.float32).reshape(b, next_n, h)
-    ctx = context_lens.reshape(b, next_n)
+    # A table entry outside [0, num_blocks) ends the request's context at that block (the op's
+    # documented result): rows are cut to its first token, and block 0 stands in for it.
+    bad = (block_tables < 0) | (block_tables >= nb)
+    first_bad = jnp.min(jnp.where(bad, jnp.arange(width, dtype=jnp.int32)[None, :], width), axis=1)
+    block_tables = jnp.where(bad, 0, block_tables)
+    ctx = jnp.minimum(context_lens.reshape(b, next_n), first_bad[:, None] * blk)
     pos = jnp.arange(t, dtype=jnp.int32)
 
     def one(args):

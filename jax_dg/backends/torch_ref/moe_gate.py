@@ -50,8 +50,10 @@ def bf16_mega_gate(x, weight, num_topk, use_shared_as_routed, num_shared_experts
             b = torch.where(image_token_mask[:, None], image_bias.float()[None], b)
         ranking = scores + b
     selected = torch.sort(ranking, dim=1, descending=True, stable=True).indices[:, :num_topk]
-    if fix_routing_mask is not None:
-        selected = torch.where(fix_routing_mask[:, None], unmapped_topk_idx.long(), selected)
+    if fix_routing_mask is not None:   # a fixed row with an id outside [0, E) is routed afresh
+        fixed = unmapped_topk_idx.long()
+        keep = fix_routing_mask & ((fixed >= 0) & (fixed < e)).all(1)
+        selected = torch.where(keep[:, None], fixed, selected)
     picked = scores.gather(1, selected)
     weights = picked / (picked.sum(dim=1, keepdim=True) + 1e-20) * routed_scaling_factor
     logical = selected
@@ -63,7 +65,7 @@ def bf16_mega_gate(x, weight, num_topk, use_shared_as_routed, num_shared_experts
     if to_physical_map is not None:
         token = torch.arange(t, dtype=torch.int64, device=x.device)[:, None]
         spread = (token * 23333 + ep_rank) % (1 << 32)  # the kernel's uint32 arithmetic
-        dup = spread % logical_count.long()[logical]
+        dup = spread % logical_count.long().clamp(1, to_physical_map.shape[1])[logical]
         physical = to_physical_map.long()[logical, dup]
     if mask is not None:
         physical = torch.where(mask[:, None], physical, -1)

@@ -69,7 +69,10 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, cle
     logits = storage[:seq_len, :max_seqlen_k if compressed else seq_len_kv]
 
     scores = weighted_relu_scores(q_fp.float(), kv_fp.float(), weights.float()) * kv_sf[None, :]
-    ks64, ke64 = ks.long(), ke.long()
+    # DeepGEMM reads keys [ks, ke) unchecked; here ranges are brought into 0 <= ks <= ke <= SK,
+    # as jax_dg's ops do before the kernel (so both references define the same result).
+    ks64 = ks.long().clamp(0, seq_len_kv)
+    ke64 = torch.maximum(ke.long().clamp(max=seq_len_kv), ks64)
     if not compressed:
         if clean_logits:
             pos = torch.arange(seq_len_kv, device=scores.device)[None, :]

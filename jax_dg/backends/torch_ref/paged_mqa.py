@@ -123,11 +123,16 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     width = block_table.shape[1]
     t = width * blk
     cols = min(t, max_context_len)
-    table = block_table.long().clamp(0, nb - 1)
+    # DeepGEMM reads table entries unchecked; here an entry outside [0, nb) ends the request's
+    # context at that block, as jax_dg's ops define it (block 0 stands in for it).
+    table = block_table.long()
+    bad = (table < 0) | (table >= nb)
+    first_bad = torch.where(bad, torch.arange(width, device=table.device), width).amin(1)
+    table = table.masked_fill(bad, 0)
     qf = mx_dequant(q_fp, q_sf) if mx else q_fp.float()
     w = weights.float().view(b, next_n, h, 1)
     # DeepGEMM scores every row of a request up to its last row's length.
-    scored = context_lens[:, -1].long().clamp(0, cols)
+    scored = torch.minimum(context_lens[:, -1].long().clamp(0, cols), first_bad * blk)
     storage = padded_empty((b * next_n, -(-max_context_len // 256) * 256), torch.float32, q_fp.device)
     logits = storage[:, :max_context_len]
     step = max(1, (1 << 26) // max(next_n * h * t, 1))
