@@ -187,6 +187,11 @@ def _child(cache: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
     return res
 
 
+def _json_from(stdout: str, start: str):
+    """The JSON document starting at `start` (DeepGEMM's printf output may surround it)."""
+    return json.JSONDecoder().raw_decode(stdout[stdout.index(start):])[0]
+
+
 # The second run: warm-up through the API, then the jobs for real on concrete inputs; the real run
 # must add no cache entry (the warm-up compiled every variant the job launches).
 SECOND_RUN = """
@@ -209,7 +214,7 @@ print(json.dumps({"reports": [r.as_dict() for r in reports], "new": sorted(after
 def test_gpu_warmup_of_the_main_job_compiles_then_hits_the_cache(tmp_path):
     cache = tmp_path / "dg_cache"
     first = _child(cache, "-m", "jax_dg", "warmup", "--json", "--progress", "lines")
-    reports = json.loads(first.stdout)
+    reports = _json_from(first.stdout, '[\n {\n  "job"')
     variants = [v for r in reports for v in r["variants"]]
     assert all(r["cache_dir"] == str(cache) for r in reports)
     assert {v["kind"] for v in variants} == {"deep_gemm"}
@@ -219,8 +224,37 @@ def test_gpu_warmup_of_the_main_job_compiles_then_hits_the_cache(tmp_path):
     assert len(jit_cache.cache_entries(str(cache))) == sum(len(v["kernels"]) for v in compiled)
     assert "compiled" in first.stderr and "DeepGEMM JIT cache: " + str(cache) in first.stderr
 
-    second = json.loads(_child(cache, "-c", SECOND_RUN).stdout.splitlines()[-1])
+    second = _json_from(_child(cache, "-c", SECOND_RUN).stdout, '{"reports"')
     again = [v for r in second["reports"] for v in r["variants"]]
     assert [v["status"] for v in again] == ["cached"] * len(variants)
     assert all(" 0 kernel(s) for 0 variant(s)" in r["summary"] for r in second["reports"])
     assert second["new"] == []
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_replays_gemm_grouped_and_paged_sites_then_the_step_compiles_nothing():
+    # Zero integer operands (masked_m, lengths, block tables: the schedule follows) on real kernels, and
+    # the warm-up's variants are the ones the step launches: running it adds no cache entry.
+    from tests.ops.test_grouped import cast_a, cast_b
+    from tests.ops.test_paged_mqa import gpu_case
+    k = jax.random.split(jax.random.PRNGKey(11), 4)
+    a = jax_dg.per_token_cast_to_fp8(jax.random.normal(k[0], (128, 512), jnp.bfloat16))
+    b = jax_dg.per_block_cast_to_fp8(jax.random.normal(k[1], (256, 512), jnp.bfloat16))
+    ga = cast_a(jax.random.normal(k[2], (2, 128, 512), jnp.bfloat16))
+    gb = cast_b(jax.random.normal(k[3], (2, 256, 512), jnp.bfloat16))
+    masked_m = jnp.asarray([100, 37], jnp.int32)
+    q, cache, w, lens, table, max_len = gpu_case(64, 1, 64, avg=2048, seed=3)
+
+    @jax.jit
+    def step(a, b, ga, gb, masked_m, q, cache, w, lens, table):
+        return (jax_dg.fp8_gemm_nt(a, b), jax_dg.m_grouped_fp8_gemm_nt_masked(ga, gb, masked_m, 64),
+                jax_dg.paged_mqa_logits(q, cache, w, lens, table, max_model_len=max_len))
+    args = (a, b, ga, gb, masked_m, q, cache, w, lens, table)
+    log = io.StringIO()
+    report = jax_dg.warmup(step, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args),
+                           progress="lines", log=log)
+    assert len(report.variants) == 3 and {v.kind for v in report.variants} == {"deep_gemm"}, log.getvalue()
+    assert {v.status for v in report.variants} <= {"compiled", "cached"}
+    before = jit_cache.cache_entries(report.cache_dir)
+    jax.block_until_ready(step(*args))
+    assert jit_cache.cache_entries(report.cache_dir) == before
