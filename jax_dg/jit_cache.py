@@ -177,7 +177,8 @@ def ffi_eqns(jaxpr) -> list:
     custom_partitioning, scan, cond, while bodies), in program order."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "ffi_call" and str(eqn.params.get("target_name", "")).startswith("jax_dg_"):
+        target = str(eqn.params.get("target_name", ""))
+        if eqn.primitive.name == "ffi_call" and target.startswith("jax_dg_"):
             found.append(eqn)
         for sub in _sub_jaxprs(eqn.params):
             found += ffi_eqns(sub)

@@ -233,8 +233,9 @@ def test_gpu_warmup_of_the_main_job_compiles_then_hits_the_cache(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_warmup_replays_gemm_grouped_and_paged_sites_then_the_step_compiles_nothing():
-    # Zero integer operands (masked_m, lengths, block tables: the schedule follows) on real kernels, and
-    # the warm-up's variants are the ones the step launches: running it adds no cache entry.
+    # Zero integer operands (masked_m, lengths, block tables; the schedule follows) on real
+    # kernels, and the warm-up's variants are the ones the step launches: running it adds no
+    # cache entry.
     from tests.ops.test_grouped import cast_a, cast_b
     from tests.ops.test_paged_mqa import gpu_case
     k = jax.random.split(jax.random.PRNGKey(11), 4)
