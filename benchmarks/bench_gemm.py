@@ -10,6 +10,7 @@ against torch's own per-call cost in a Python loop (target: jax_dg <= torch + 10
 from __future__ import annotations
 
 import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -79,11 +80,12 @@ def main():
           f"deep_gemm {getattr(deep_gemm, '__version__', '?')}")
     rows = [bench_shape(m, n, k, chain=False) for m, n, k in BIG]
     rows += [bench_shape(m, n, k, chain=True) for m, n, k in SMALL]
-    timing.report("fp8_gemm_nt", rows, [
+    plot.write("bench_gemm", "fp8_gemm_nt", rows, [
         ("shape", "shape"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
         ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"), ("jnp/jax_dg", "jnp/jax_dg"),
         ("jax_dg_TFLOPs", "TFLOP/s"), ("torch_chain_us", "torch/op chain"),
-        ("jax_dg_chain_us", "jax_dg/op chain"), ("chain_overhead_us", "overhead us")])
+        ("jax_dg_chain_us", "jax_dg/op chain"), ("chain_overhead_us", "overhead us")],
+        label="shape", ratios=["torch/jax_dg", "jnp/jax_dg"])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ calc_diff(jnp, jax_dg) (bf16 operands vs FP8 kernel: ~1e-6 expected).
 from __future__ import annotations
 
 import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -169,11 +170,12 @@ def main():
             rows.append(bench(g, total, seed=i))
             torch.cuda.empty_cache()
             print(rows[-1], flush=True)
-    timing.report("m_grouped_fp8_gemm", rows, [
+    plot.write("bench_grouped", "m_grouped_fp8_gemm", rows, [
         ("op", "op"), ("G", "G"), ("sum(M)", "sum(M)"), ("rows", "rows"), ("torch_us", "torch us"),
         ("jax_dg_us", "jax_dg us"), ("raw_us", "raw us"), ("jnp_us", "jnp us"),
         ("torch/jax_dg", "torch/jax_dg"), ("torch/raw", "torch/raw"), ("jnp/jax_dg", "jnp/jax_dg"),
-        ("TFLOPs", "TFLOP/s"), ("same", "same"), ("jnp_diff", "jnp diff")])
+        ("TFLOPs", "TFLOP/s"), ("same", "same"), ("jnp_diff", "jnp diff")],
+        label=lambda r: f"{r['op']} G{r['G']} M{r['sum(M)']}", ratios=["torch/jax_dg", "torch/raw", "jnp/jax_dg"])
 
 
 if __name__ == "__main__":

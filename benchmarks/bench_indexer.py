@@ -19,6 +19,7 @@ the set only (torch.topk(sorted=False); jax_dg sorted=False: ascending key order
 from __future__ import annotations
 
 import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -124,16 +125,13 @@ def main():
           f"deep_gemm {getattr(deep_gemm, '__version__', '?')}, k {K}")
     rows = [r for s, sk in PREFILL for r in prefill(s, sk)]
     rows += [r for b, ctx in DECODE for r in decode(b, ctx)]
-    for r in rows:
-        r["label"] = f"{r['step']} {r['shape']}"
-    timing.report("indexer step (logits + top-k)", rows, [
+    plot.write("bench_indexer", "indexer step (logits + top-k)", rows, [
         ("step", "step"), ("shape", "shape"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
         ("composed_us", "composed us"), ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"),
         ("torch/composed", "torch/composed"), ("jnp/jax_dg", "jnp/jax_dg"),
         ("torch_unsorted_us", "torch unsorted us"), ("unsorted_us", "unsorted us"),
-        ("unsorted/unsorted", "unsorted ratio")])
-    timing.plot("bench_indexer", rows, "label", ["torch/jax_dg", "torch/composed", "unsorted/unsorted"],
-                "torch time / jax_dg time")
+        ("unsorted/unsorted", "unsorted ratio")],
+        label=lambda r: f"{r['step']} {r['shape']}", ratios=["torch/jax_dg", "torch/composed", "unsorted/unsorted"])
 
 
 if __name__ == "__main__":

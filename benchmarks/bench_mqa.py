@@ -19,6 +19,7 @@ The plain jax.numpy contender computes the same formula a block of query rows at
 from __future__ import annotations
 
 import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -116,14 +117,12 @@ def main():
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, "
           f"deep_gemm {getattr(deep_gemm, '__version__', '?')}, H={H}, D={D}")
     rows = [r for s, sk in SHAPES for r in bench_shape(s, sk)]
-    timing.report("mqa_logits", rows, [
+    plot.write("bench_mqa", "mqa_logits", rows, [
         ("shape", "shape"), ("form", "form"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
         ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"), ("jnp/jax_dg", "jnp/jax_dg"),
         ("copy_us", "copy us"), ("copy_%", "copy %"), ("max/max", "max/max"),
-        ("jax_dg_TFLOPs", "TFLOP/s")])
-    for r in rows:
-        r["label"] = f"{r['shape']} {r['form']}"
-    timing.plot("bench_mqa", rows, "label", ["torch/jax_dg", "max/max"], "torch time / jax_dg time")
+        ("jax_dg_TFLOPs", "TFLOP/s")],
+        label=lambda r: f"{r['shape']} {r['form']}", ratios=["torch/jax_dg", "max/max"])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ too. Ratios: torch time / jax_dg time.
 from __future__ import annotations
 
 import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -122,11 +123,12 @@ def main():
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, "
           f"deep_gemm {getattr(deep_gemm, '__version__', '?')}, num_sms {deep_gemm.get_num_sms()}")
     rows = [bench_shape(b, ctx) for b, ctx in SHAPES]
-    timing.report("fp8_fp4_paged_mqa_logits", rows, [
+    plot.write("bench_paged_mqa", "fp8_fp4_paged_mqa_logits", rows, [
         ("shape", "shape"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
         ("jax_dg_noclean_us", "no-clean us"), ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"),
         ("torch/noclean", "torch/noclean"), ("jnp/jax_dg", "jnp/jax_dg"), ("copy_us", "copy us"),
-("jnp_diff", "jnp diff")])
+("jnp_diff", "jnp diff")],
+        label="shape", ratios=["torch/jax_dg", "torch/noclean", "jnp/jax_dg"])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import timing  # noqa: F401  (sets the XLA memory fraction before jax starts)
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -207,13 +208,13 @@ def main():
         r["torch_eager/graphs"] = eager / r["jax_dg_graphs_us"]
         r["no_graphs-eager_us"] = r["jax_dg_no_graphs_us"] - eager
         table.append(r)
-    timing.report("small GEMMs, per call (decode: per step of 2 GEMMs + 2 quantisations)", table, [
+    plot.write("bench_small", "small GEMMs, per call (decode: per step of 2 GEMMs + 2 quantisations)", table, [
         ("shape", "shape"), ("torch_eager_us", "torch eager"), ("torch_graph_us", "torch graph"),
         ("jax_dg_graphs_us", "jax_dg graphs"), ("jax_dg_no_graphs_us", "jax_dg no graphs"),
         ("jnp_us", "jnp"), ("graphs/torch_graph", "graphs/tgraph"), ("torch_eager/graphs", "eager/graphs"),
-        ("no_graphs-eager_us", "nographs-eager")])
-    timing.plot("bench_small", table, "shape", ["graphs/torch_graph", "torch_eager/graphs"],
-                "ratio (targets: graphs/tgraph <= 1.25, eager/graphs >= 1.5)")
+        ("no_graphs-eager_us", "nographs-eager")],
+        label="shape", ratios=["graphs/torch_graph", "torch_eager/graphs"],
+        ylabel="ratio (targets: graphs/tgraph <= 1.25, eager/graphs >= 1.5)")
 
 
 if __name__ == "__main__":

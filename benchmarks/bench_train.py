@@ -11,6 +11,7 @@ jax_dg's step quantises inside the jitted program. Ratio = torch / jax_dg (targe
 from __future__ import annotations
 
 import timing  # noqa: F401
+import plot
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +85,12 @@ def main():
         row["torch_full/jax_dg"] = row["torch_full_us"] / row["jax_dg_us"]
         row["xla_bf16/jax_dg"] = row["xla_bf16_us"] / row["jax_dg_us"]
         rows.append(row)
-    timing.report("fp8_linear forward + backward (3 FP8 GEMMs)", rows, [
+    plot.write("bench_train", "fp8_linear forward + backward (3 FP8 GEMMs)", rows, [
         ("shape", "shape"), ("torch_gemms_us", "torch gemms"), ("torch_full_us", "torch full"),
         ("jax_dg_us", "jax_dg"), ("jax_dg_quant_us", "of it quant"), ("xla_bf16_us", "xla bf16"), ("torch_gemms/jax_dg", "tgemms/jax_dg"),
-        ("torch_full/jax_dg", "tfull/jax_dg"), ("xla_bf16/jax_dg", "bf16/jax_dg")])
-    timing.plot("bench_train", rows, "shape", ["torch_gemms/jax_dg", "torch_full/jax_dg", "xla_bf16/jax_dg"],
-                "ratio (other / jax_dg; > 1: jax_dg faster)")
+        ("torch_full/jax_dg", "tfull/jax_dg"), ("xla_bf16/jax_dg", "bf16/jax_dg")],
+        label="shape", ratios=["torch_gemms/jax_dg", "torch_full/jax_dg", "xla_bf16/jax_dg"],
+        ylabel="ratio (other / jax_dg; > 1: jax_dg faster)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python examples/indexer_topk.py                 # DeepGEMM on a GPU, the torch reference on CPU
     python examples/indexer_topk.py --seq 512 --keys 4096 --topk 512
     JAX_DG_BACKEND=xla python examples/indexer_topk.py   # pure JAX, no custom call
+    python -m jax_dg warmup examples/indexer_topk.py     # compile its DeepGEMM kernels ahead
 
 Random bf16 q and k are quantised to FP8 in JAX (q per token and head, its scale folded into the
 weights; k per row), a causal prefill mask is built, and `jax_dg.indexer_topk` picks each
@@ -99,7 +100,7 @@ def topk_agreement(idx: np.ndarray, ref: np.ndarray) -> float:
     return hits / max(total, 1)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     platform = jax.devices()[0].platform
     size = GPU_SIZE if platform == "gpu" else CPU_SIZE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,7 +110,28 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--topk", type=int, default=size["topk"])
     p.add_argument("--iters", type=int, default=20 if platform == "gpu" else 2)
-    args = p.parse_args(argv)
+    p.add_argument("--warmup", action="store_true",
+                   help="compile the DeepGEMM kernels first, with progress (jax_dg.warmup)")
+    return p.parse_args(argv)
+
+
+def warmup_jobs(argv=None):
+    """What `python -m jax_dg warmup examples/indexer_topk.py [-- args]` compiles ahead: the
+    jitted functions main() runs, at its sizes (shapes only: nothing is computed)."""
+    args = parse_args(argv)
+    inputs = jax.eval_shape(lambda key: make_inputs(key, args.seq, args.keys, args.heads, args.dim),
+                            jax.random.PRNGKey(0))
+    return [("indexer step", indexer_step, inputs, {"topk": args.topk}),
+            ("indexer step, unsorted", indexer_step, inputs, {"topk": args.topk, "sorted": False}),
+            ("mqa_logits", jax_dg.mqa_logits, inputs, {})]
+
+
+def main(argv=None) -> int:
+    platform = jax.devices()[0].platform
+    args = parse_args(argv)
+    if args.warmup:
+        for _, fn, fn_args, fn_kwargs in warmup_jobs(argv):
+            jax_dg.warmup(fn, *fn_args, **fn_kwargs)
 
     concrete = device.target().backend
     print(f"indexer step: S={args.seq} queries x SK={args.keys} keys, H={args.heads}, D={args.dim}, "

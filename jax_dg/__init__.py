@@ -6,7 +6,7 @@ Layers, top to bottom; a module imports only from its own layer or the layers be
   public     jax_dg (this file), jax_dg.__main__
   ops        jax_dg.ops.*: one Op declaration per kernel, and their public functions;
              user helpers: quant, scales, routing, paged, indexer, capability, exporting,
-             interop (torch <-> JAX arrays)
+             interop (torch <-> JAX arrays), jit_cache (DeepGEMM's JIT cache: warm-up)
   core       jax_dg.core.*: Op and the bridge (op, bridge), checks and errors, index values
              (values: sanitised, or checked under jax_dg.checked()), the device and
              trace target (device), backend selection (backend), torch-side helpers (runtime),
@@ -38,6 +38,7 @@ from jax_dg.core.checks import ArgumentError, NotDifferentiableError, Unsupporte
 from jax_dg.core.values import checked  # data-dependent index values raise instead of being clamped
 from jax_dg import interop
 from jax_dg.exporting import export_safety_checks
+from jax_dg.jit_cache import warmup
 from jax_dg.indexer import (
     causal_ks_ke,
     fold_q_scale,

@@ -1,6 +1,7 @@
-"""`python -m jax_dg info`: what jax_dg sees here and what each public function runs on.
+"""`python -m jax_dg info`: what jax_dg sees here and what each public function runs on;
+`python -m jax_dg warmup [SCRIPT]`: compiles a script's DeepGEMM kernels ahead (jax_dg.warmup).
 
-Reports the platform, jax/jaxlib/torch versions, the devices with their arch, where deep_gemm
+`info` reports the platform, jax/jaxlib/torch versions, the devices with their arch, where deep_gemm
 was found and its version (or why it was not, with the install hint), for each function a user
 calls whether it runs natively on DeepGEMM here, runs a reference, or raises (and why), and
 DeepGEMM's JIT cache folder.
@@ -9,7 +10,11 @@ DeepGEMM's JIT cache folder.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
 import os
+import pathlib
 import platform
 import sys
 from typing import Any
@@ -81,7 +86,7 @@ def collect() -> dict[str, Any]:
     import jax
 
     import jax_dg
-    from jax_dg import capability
+    from jax_dg import capability, jit_cache
     from jax_dg.backends import deep_gemm
     from jax_dg.core import backend as selection
     from jax_dg.core import device
@@ -117,7 +122,7 @@ def collect() -> dict[str, Any]:
     else:
         info["deep_gemm"] = {"found": True, "module": dg.__name__, "version": deep_gemm.version(),
                              "path": os.path.dirname(getattr(dg, "__file__", "") or "")}
-    info["jit_cache_dir"] = os.environ.get("DG_JIT_CACHE_DIR")
+    info["jit_cache_dir"] = jit_cache.cache_dir()
     info["e8m0_used"] = capability.is_deep_gemm_e8m0_used()
     info["scale_format"] = capability.DeepGemmQuantScaleFMT.from_oracle().name
     first = jax.devices()[0]
@@ -160,11 +165,69 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_SCRIPT = "examples/indexer_topk.py"
+
+
+def load_script(spec: str):
+    """A warm-up script: a Python file, or an importable module, defining warmup_jobs(argv)."""
+    path = pathlib.Path(spec)
+    if not path.exists() and spec == DEFAULT_SCRIPT:   # the repository's, from anywhere
+        path = pathlib.Path(__file__).resolve().parents[1] / spec
+    if path.suffix == ".py" or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"no warm-up script {spec}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(spec)
+    if not callable(getattr(module, "warmup_jobs", None)):
+        raise AttributeError(f"{spec} defines no warmup_jobs(argv) -> [(name, fn, args, kwargs)]")
+    return module
+
+
+def warmup_main(args) -> int:
+    from jax_dg import jit_cache
+    try:
+        module = load_script(args.script)
+    except (OSError, ImportError, AttributeError) as e:
+        print(f"python -m jax_dg warmup: {e}", file=sys.stderr)
+        return 2
+    reports = []
+    for name, fn, fn_args, fn_kwargs in module.warmup_jobs(args.script_args):
+        if args.progress != "off":
+            print(f"== {name}", file=sys.stderr)
+        reports.append((name, jit_cache.warmup(fn, *fn_args, progress=args.progress, **fn_kwargs)))
+    if args.json:
+        print(json.dumps([{"job": name, **r.as_dict()} for name, r in reports], indent=1))
+    else:
+        for name, r in reports:
+            print(f"{name}: {r.summary()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from jax_dg.jit_cache import PROGRESS
     parser = argparse.ArgumentParser(prog="python -m jax_dg", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="info", choices=["info"],
-                        help="what to do (default: info)")
-    parser.parse_args(argv)
+    commands = parser.add_subparsers(dest="command", metavar="{info,warmup}")
+    commands.add_parser("info", help="what jax_dg sees here (the default)")
+    warm = commands.add_parser(
+        "warmup", help="compile a script's DeepGEMM kernels ahead, with progress",
+        description="Compiles the DeepGEMM kernel variants of the jobs a script declares "
+                    "(warmup_jobs(argv) -> [(name, fn, args, kwargs)], arguments may be "
+                    "ShapeDtypeStructs), showing progress on stderr; prints each job's summary "
+                    "(what compiled, what hit the cache, where the cache lives) on stdout.")
+    warm.add_argument("script", nargs="?", default=DEFAULT_SCRIPT,
+                      help=f"a .py file or module defining warmup_jobs (default: {DEFAULT_SCRIPT})")
+    warm.add_argument("--progress", choices=PROGRESS, default="auto",
+                      help="a bar on a terminal, log lines otherwise (auto), or as named")
+    warm.add_argument("--json", action="store_true", help="print the reports as JSON")
+    warm.add_argument("script_args", nargs=argparse.REMAINDER,
+                      help="arguments for the script's warmup_jobs (after the script)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv or ["info"])
+    if args.command == "warmup":
+        return warmup_main(args)
     print(format_info(collect()))
     return 0
 

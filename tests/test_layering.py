@@ -9,7 +9,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jax_dg"
 
 OPS_LAYER = {"jax_dg.quant", "jax_dg.scales", "jax_dg.routing", "jax_dg.paged", "jax_dg.indexer",
-             "jax_dg.capability", "jax_dg.exporting", "jax_dg.interop"}
+             "jax_dg.capability", "jax_dg.exporting", "jax_dg.interop",
+             "jax_dg.jit_cache"}
 # layer -> layers its modules may import
 MAY_IMPORT = {
     "contracts": set(),

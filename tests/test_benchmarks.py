@@ -1,0 +1,96 @@
+"""The benchmarks' shared output (benchmarks/plot.py) on CPU: a table and a PNG of its ratios.
+
+The benchmarks themselves need a GPU and deep_gemm to import; here each one's `plot.write`
+call is taken from its source and run on made-up numbers of its own columns."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(BENCH.glob("bench_*.py"))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def load_plot():
+    spec = importlib.util.spec_from_file_location("benchmarks_plot", BENCH / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plot = load_plot()
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib (the [bench] extra) is not installed")
+
+ROWS = [{"shape": "M64 N128", "torch_us": 10.0, "jax_dg_us": 8.0, "torch/jax_dg": 1.25},
+        {"shape": "M128 N128", "torch_us": 12.0, "jax_dg_us": 16.0, "torch/jax_dg": 0.75,
+         "note": "x"}]
+COLUMNS = [("shape", "shape"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
+           ("torch/jax_dg", "torch/jax_dg"), ("note", "note")]
+
+
+@needs_matplotlib
+def test_write_saves_the_plot_and_prints_the_table_last(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    path = plot.write("bench_fake", "fake op", ROWS, COLUMNS, label="shape", ratios=["torch/jax_dg"],
+                      plots=tmp_path / "plots")
+    assert path == tmp_path / "plots" / "bench_fake.png"
+    assert path.read_bytes().startswith(PNG)
+    assert (tmp_path / "out" / "bench_fake.png").read_bytes() == path.read_bytes()
+    md = (tmp_path / "out" / "bench_fake.md").read_text()
+    assert "| shape | torch us | jax_dg us | torch/jax_dg | note |" in md and "| M64 N128 | 10.000 |" in md
+    assert '"name": "bench_fake"' in (tmp_path / "out" / "bench.jsonl").read_text()
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-3:] == plot.table_text("fake op", ROWS, COLUMNS).splitlines()[-3:]
+    assert " M128 N128      12.000" in out and "0.750" in out and f"plot: {path}" in out
+
+
+def test_without_matplotlib_the_table_is_printed_and_the_plot_skipped(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+    assert plot.write("bench_fake", "fake op", ROWS, COLUMNS, label="shape", ratios=["torch/jax_dg"],
+                      plots=tmp_path) is None
+    out = capsys.readouterr().out
+    assert "(plot bench_fake.png skipped: matplotlib is not installed" in out
+    assert "== fake op ==" in out and "1.250" in out
+    assert not list(tmp_path.iterdir())
+
+
+def plot_call(script: pathlib.Path) -> ast.Call:
+    calls = [n for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) == "plot.write"]
+    assert len(calls) == 1, f"{script.name}: one plot.write call (every benchmark writes through it)"
+    return calls[0]
+
+
+def test_every_benchmark_writes_through_the_shared_helper():
+    assert {s.name for s in SCRIPTS} >= {"bench_gemm.py", "bench_grouped.py", "bench_small.py",
+                                         "bench_train.py", "bench_mqa.py", "bench_paged_mqa.py",
+                                         "bench_indexer.py"}
+    for script in SCRIPTS:
+        compile(script.read_text(), str(script), "exec")
+        call = plot_call(script)
+        assert ast.literal_eval(call.args[0]) == script.stem   # plots/<script name>.png
+        assert "timing.report" not in script.read_text() and "timing.plot" not in script.read_text()
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.stem)
+def test_each_benchmarks_plot_on_made_up_numbers(script, tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    call = plot_call(script)
+    name, title, columns = (ast.literal_eval(call.args[i]) for i in (0, 1, 3))
+    kwargs = {k.arg: eval(compile(ast.Expression(k.value), script.name, "eval"), {})  # noqa: S307
+              for k in call.keywords}
+    keys = [k for k, _ in columns]
+    assert set(kwargs["ratios"]) <= set(keys), "every plotted ratio is in the table"
+    rows = [{k: 0.5 + 0.25 * (i + j) for j, k in enumerate(keys)} for i in range(3)]
+    path = plot.write(name, title, rows, columns, plots=tmp_path, **kwargs)
+    assert path == tmp_path / f"{script.stem}.png" and path.read_bytes().startswith(PNG)
