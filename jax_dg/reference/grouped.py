@@ -24,6 +24,19 @@ def m_grouped_contiguous(x, w, layout, *, out_dtype: str = "bfloat16"):
     return jnp.zeros_like(y).at[order].set(y).astype(out_dtype)
 
 
+def psum_to_row_groups(psum, m: int, alignment: int):
+    """The per-row group ids [M] (-1 in no group) of a psum layout: group j holds rows
+    [align(psum[j-1], alignment), psum[j]) (from 0 for j = 0); psum non-decreasing."""
+    psum = psum.astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                              (psum[:-1] + alignment - 1) // alignment * alignment])
+    r = jnp.arange(m, dtype=jnp.int32)
+    j = jnp.searchsorted(psum, r, side="right").astype(jnp.int32)   # first group ending after r
+    safe = jnp.minimum(j, psum.shape[0] - 1)
+    inside = (j < psum.shape[0]) & (r >= starts[safe])
+    return jnp.where(inside, j, -1)
+
+
 def m_grouped_masked(x, w, masked_m, *, out_dtype: str = "bfloat16"):
     """d[g] = x[g] [Mmax, K] @ w[g] [N, K].T for rows < masked_m[g]; the other rows 0."""
     d = jnp.einsum("gmk,gnk->gmn", x.astype(F32), w.astype(F32), precision=HIGHEST)
