@@ -59,6 +59,7 @@ from jax_dg.ops.gemm import (
 )
 from jax_dg.ops.grouped import (
     fp8_m_grouped_gemm_nt_masked,
+    k_grouped_bf16_gemm_tn_contiguous,
     k_grouped_fp8_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nn_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,

@@ -331,14 +331,20 @@ def m_grouped_bf16_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: boo
 
 # --- k-grouped (weight gradients), SM90 -----------------------------------------------------------
 
-def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
-    ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
+def _k_grouped_c(ck: Checker, c, ks):
+    """The k-grouped rule's ks and c checks (shared by FP8 and BF16); returns (G, M, N)."""
     ck.that(len(ks) > 0 and all(kg >= 0 and kg % 128 == 0 for kg in ks), "ks",
             "must be a non-empty list of multiples of 128 (one K per group, 0 allowed)", ks)
     ck.ndim(c, "c", 3, "[G, M, N]")
     ck.dtype(c, "c", F32)
     g, m, n = c.shape
     ck.that(g == len(ks), "c", f"must have len(ks) = {len(ks)} groups", tuple(c.shape))
+    return g, m, n
+
+
+def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
+    ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
+    g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(n % 4 == 0, "c", "must have N % 4 == 0 (16-byte rows of the float32 d)", n)
     sum_k = sum(ks)
     ck.tensor(a, "a[0]", [FP8], (sum_k * m,), "[sum(ks) * M] (group g row-major [M, ks[g]])")
@@ -366,6 +372,15 @@ K_GROUPED_FP8 = Op(
 )
 
 
+def _static_ks(ck: Checker, ks) -> list[int]:
+    if not isinstance(ks, (list, tuple)):
+        ck.fail("ks", "must be a static list of ints", type(ks).__name__)
+    ks = [ck.static_int(kg, "ks") for kg in ks]
+    ck.that(all(0 <= kg < 2 ** 31 for kg in ks), "ks", "must be multiples of 128 in [0, 2**31) "
+            "(int32 group sizes)", ks)
+    return ks
+
+
 @exposes(K_GROUPED_FP8)
 def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     """Grouped weight gradients: d[g] = c[g] + A_g @ B_g.T, with group g's K = ks[g] (DeepGEMM
@@ -382,11 +397,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
-    if not isinstance(ks, (list, tuple)):
-        ck.fail("ks", "must be a static list of ints", type(ks).__name__)
-    ks = [ck.static_int(kg, "ks") for kg in ks]
-    ck.that(all(0 <= kg < 2 ** 31 for kg in ks), "ks", "must be multiples of 128 in [0, 2**31) "
-            "(int32 group sizes)", ks)
+    ks = _static_ks(ck, ks)
     ck.that(c is not None, "c", "is required (d = c + a @ b.T)")
     ks_tensor = jnp.asarray(ks, dtype=I32)
     (d,) = K_GROUPED_FP8(av, sfa, bv, sfb, ks_tensor, c, ks=ks)
@@ -587,3 +598,56 @@ def m_grouped_bf16_gemm_nn_contiguous(a, b, grouped_layout, *, clean: bool = Tru
                                 clean, None, dims)
     return _contiguous(_with_ids(M_GROUPED_BF16_NN_CONTIGUOUS, dims), ck, (a, b), b.shape[0],
                        grouped_layout, clean)
+
+
+# --- k-grouped BF16 (weight gradients in BF16) ----------------------------------------------------
+
+def _k_grouped_bf16_rule(a, b, ks_tensor, c, *, ks, compiled_dims):
+    ck = Checker("k_grouped_bf16_gemm_tn_contiguous")
+    g, m, n = _k_grouped_c(ck, c, ks)
+    ck.that(m % 8 == 0 and n % 8 == 0, "c", "must have M % 8 == 0 and N % 8 == 0 (16-byte rows of "
+            "the MN-major bfloat16 a and b)", tuple(c.shape))
+    ck.tensor(a, "a", [BF16], (sum(ks), m), "[sum(ks), M] (group g: rows sum(ks[:g]) ...)")
+    ck.tensor(b, "b", [BF16], (sum(ks), n), "[sum(ks), N]")
+    ck.tensor(ks_tensor, "ks_tensor", [I32], (g,), "[G]")
+    return [jax.ShapeDtypeStruct((g, m, n), F32)]
+
+
+def _k_grouped_bf16_run(dg, a, b, ks_tensor, c, d, *, ks, compiled_dims):
+    # upstream's test runs it at mk alignment 128 ("TODO: support arbitrary alignment"): the
+    # alignment the checked ks are multiples of
+    _use_alignment(dg, 128)
+    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, compiled_dims=compiled_dims)
+
+
+K_GROUPED_BF16 = Op(
+    name="k_grouped_bf16_gemm_tn_contiguous",
+    args=("a", "b", "ks_tensor", "c"),
+    rule=_k_grouped_bf16_rule,
+    run=_k_grouped_bf16_run,
+    reference=lambda a, b, ks_tensor, c, *, ks, compiled_dims: ref.k_grouped_bf16_gemm_tn_contiguous(a, b, c, ks=ks),
+    symbols=("k_grouped_bf16_gemm_tn_contiguous",),
+    aliases={"c": 0},
+)
+
+
+@exposes(K_GROUPED_BF16)
+def k_grouped_bf16_gemm_tn_contiguous(a, b, ks, *, c, compiled_dims: str | None = None) -> jax.Array:
+    """Grouped weight gradients in BF16: d[g] = c[g] + A_g.T @ B_g, A_g = a[sum(ks[:g]) :
+    sum(ks[:g+1])] (DeepGEMM k_grouped_bf16_gemm_tn_contiguous, float32 accumulation).
+
+    a: bfloat16 [sum(ks), M]; b: bfloat16 [sum(ks), N] (both MN-major, as DeepGEMM takes them).
+    ks: static list of each group's K, multiples of 128 (0 = empty group: d[g] = c[g]).
+    c: float32 [G, M, N], required (XLA may donate it to d). M % 8 == 0, N % 8 == 0.
+    compiled_dims: static, letters of 'mnk' ('mn' by default): speed only.
+    Returns d float32 [G, M, N].
+    """
+    ck = Checker("k_grouped_bf16_gemm_tn_contiguous")
+    ck.array(a, "a")
+    ck.array(b, "b")
+    ks = _static_ks(ck, ks)
+    ck.that(c is not None, "c", "is required (d = c + a.T @ b)")
+    ck.array(c, "c")
+    dims = check_compiled_dims(ck, compiled_dims, "mn")
+    (d,) = K_GROUPED_BF16(a, b, jnp.asarray(ks, dtype=I32), c, ks=ks, compiled_dims=dims)
+    return d

@@ -75,3 +75,13 @@ def k_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, ks_tensor, c, *, ks):
         outs.append(c[g] + jnp.matmul(x, y.T, precision=HIGHEST))
         off += kg
     return jnp.stack(outs).astype(F32)
+
+
+def k_grouped_bf16_gemm_tn_contiguous(a, b, c, *, ks):
+    """d[g] = c[g] + a[rows_g].T @ b[rows_g], rows_g group g's K rows of a [sum(ks), M], b [sum(ks), N]."""
+    outs, off = [], 0
+    for g, kg in enumerate(ks):
+        x, y = a[off:off + kg].astype(F32), b[off:off + kg].astype(F32)
+        outs.append(c[g] + jnp.matmul(x.T, y, precision=HIGHEST) if kg else c[g])
+        off += kg
+    return jnp.stack(outs).astype(F32)

@@ -250,3 +250,89 @@ def test_gpu_bf16_nn_matches_deep_gemm_from_torch(keys, psum_form):
     ours = to_torch(jax.block_until_ready(d))
     assert torch.equal(ours[rows].view(torch.int16), d_t[rows].view(torch.int16)), "differs from deep_gemm's"
     assert all(bool(same_bits(f(x, wn, layout), d)) for _ in range(20))
+
+
+# --- k-grouped BF16 (wgrad) -------------------------------------------------------------------------
+
+def k_bf16_inputs(keys, ks, m, n):
+    a = jax.random.normal(keys(), (sum(ks), m), BF16)
+    b = jax.random.normal(keys(), (sum(ks), n), BF16)
+    c = jax.random.normal(keys(), (len(ks), m, n), jnp.float32) * 32
+    return a, b, c
+
+
+def k_bf16_expected(a, b, c, ks):
+    out, off = [], 0
+    for g, kg in enumerate(ks):
+        x, y = a[off:off + kg].astype(jnp.float32), b[off:off + kg].astype(jnp.float32)
+        out.append(c[g] + jnp.matmul(x.T, y, precision=jax.lax.Precision.HIGHEST))
+        off += kg
+    return jnp.stack(out)
+
+
+@pytest.mark.parametrize("ks", [[256, 0, 128, 384], [128]])
+def test_k_grouped_bf16_matches_reference(keys, ks):
+    a, b, c = k_bf16_inputs(keys, ks, 64, 72)
+    f = lambda a, b, c: jax_dg.k_grouped_bf16_gemm_tn_contiguous(a, b, ks, c=c)  # noqa: E731
+    got = run("auto", f, a, b, c)
+    assert got.dtype == jnp.float32 and got.shape == (len(ks), 64, 72)
+    assert jax_dg.calc_diff(np.asarray(got), np.asarray(run("xla", f, a, b, c))) < 1e-10
+    assert jax_dg.calc_diff(np.asarray(got), np.asarray(k_bf16_expected(a, b, c, ks))) < 1e-10
+    if 0 in ks:
+        np.testing.assert_array_equal(np.asarray(got)[ks.index(0)], np.asarray(c)[ks.index(0)])
+    dims = run("auto", lambda a, b, c: jax_dg.k_grouped_bf16_gemm_tn_contiguous(a, b, ks, c=c, compiled_dims="mnk"), a, b, c)
+    np.testing.assert_array_equal(np.asarray(dims), np.asarray(got))
+
+
+@pytest.mark.parametrize("case,arg", [("ks_64", "ks"), ("ks_empty", "ks"), ("ks_not_list", "ks"), ("no_c", "c"),
+                                      ("c_groups", "c"), ("a_rows", "a"), ("a_dtype", "a"), ("b_cols", "b"),
+                                      ("dims", "compiled_dims")])
+def test_k_grouped_bf16_bad_inputs(keys, case, arg):
+    ks = [128, 256]
+    a, b, c = k_bf16_inputs(keys, ks, 64, 72)
+    kw = dict(ks=ks, c=c)
+    if case == "ks_64":
+        kw["ks"] = [64, 320]
+    elif case == "ks_empty":
+        kw["ks"] = []
+    elif case == "ks_not_list":
+        kw["ks"] = 384
+    elif case == "no_c":
+        kw["c"] = None
+    elif case == "c_groups":
+        kw["c"] = c[:1]
+    elif case == "a_rows":
+        a = a[:128]
+    elif case == "a_dtype":
+        a = a.astype(jnp.float32)
+    elif case == "b_cols":
+        b = jnp.zeros((384, 70), BF16)
+    else:
+        kw["compiled_dims"] = "mz"
+    with pytest.raises(jax_dg.ArgumentError, match=re.escape(f"k_grouped_bf16_gemm_tn_contiguous: `{arg}`")):
+        jax.jit(lambda a, b: jax_dg.k_grouped_bf16_gemm_tn_contiguous(a, b, kw["ks"], c=kw["c"],
+                                                                      **{k: v for k, v in kw.items() if k == "compiled_dims"})).trace(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,m,n,expected_k,empty", [(4, 4096, 7168, 8192, False), (16, 7168, 2048, 2048, True)])
+def test_gpu_k_grouped_bf16_matches_deep_gemm_from_torch(keys, g, m, n, expected_k, empty):
+    """test_bf16.py's k-grouped cases (EP64 / EP16), an empty group in one; threshold 1e-5."""
+    import deep_gemm
+    import torch
+    rng = np.random.default_rng(g * m + expected_k)
+    ks = [align(int(expected_k * rng.uniform(0.7, 1.3)), 128) for _ in range(g)]
+    if empty:
+        ks[int(rng.integers(g))] = 0
+    a, b, c = k_bf16_inputs(keys, ks, m, n)
+    f = jax.jit(lambda a, b, c: jax_dg.k_grouped_bf16_gemm_tn_contiguous(a, b, ks, c=c))
+    inputs_before = device_copies(a, b, c)
+    d = f(a, b, c)
+    assert float(device_diff(d, k_bf16_expected(a, b, c, ks))) < 1e-5
+    d_t = to_torch(c).clone()
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(to_torch(a), to_torch(b), d_t, ks,
+                                                torch.tensor(ks, dtype=torch.int32, device="cuda"), d_t)
+    torch.cuda.synchronize()
+    assert bool(torch.equal(to_torch(jax.block_until_ready(d)), d_t)), "differs from deep_gemm's"
+    assert all(bool(same_bits(f(a, b, c), d)) for _ in range(20))
+    assert bool(same_bits(inputs_before, (a, b, c))), "inputs were written"

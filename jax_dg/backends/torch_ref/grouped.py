@@ -14,7 +14,7 @@ from jax_dg.contracts import LEGACY_MK_ALIGNMENT
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "k_grouped_fp8_gemm_nt_contiguous",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nn_contiguous",
-           "m_grouped_bf16_gemm_nt_masked",
+           "m_grouped_bf16_gemm_nt_masked", "k_grouped_bf16_gemm_tn_contiguous",
            "get_mk_alignment_for_contiguous_layout",
            "set_mk_alignment_for_contiguous_layout"]
 
@@ -110,3 +110,14 @@ def _check(ok: bool, what: str) -> None:
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:
     _masked(a.float(), b.float(), d, masked_m)
 
+
+
+def k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, ks_tensor, c=None, compiled_dims="mn") -> None:
+    """d[g] = c[g] + a[rows_g].T @ b[rows_g] (float32); DeepGEMM requires c."""
+    _check(c is not None, "c.has_value()")
+    out, off = c.float().clone(), 0
+    for g, kg in enumerate(ks):
+        if kg:
+            out[g] += a[off:off + kg].float().T @ b[off:off + kg].float()
+        off += kg
+    d.copy_(out)
