@@ -14,6 +14,9 @@ its share of jax_dg). Consumed inside the program, the pass fuses into the reade
 compares DeepGEMM + amax in torch with mqa_logits(...).max(axis=1) in one jit.
 The plain jax.numpy contender computes the same formula a block of query rows at a time
 (lax.map), never holding [S, H, SK] scores.
+A second table times logits_dtype=bfloat16 against float32 at S2048 SK8192 (full form), four
+contenders interleaved: deep_gemm from torch and jax_dg, each with both dtypes (bf16/f32 =
+bf16 time / f32 time; half the output bytes).
 """
 
 from __future__ import annotations
@@ -113,6 +116,28 @@ def bench_shape(s, sk):
     return rows
 
 
+DTYPE_SHAPE = (2048, 8192)
+
+
+def bench_logits_dtype(s, sk):
+    q, kv, w, ks, ke = inputs(s, sk)
+    tq, tkv, tw, tks, tke = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+    contenders = {}
+    for name, tdt, jdt in (("f32", torch.float32, jnp.float32), ("bf16", torch.bfloat16, jnp.bfloat16)):
+        f = jax.jit(lambda *a, jdt=jdt: jax_dg.mqa_logits(*a, logits_dtype=jdt))
+        contenders[f"torch {name}"] = (lambda tdt=tdt: deep_gemm.fp8_fp4_mqa_logits(
+            (tq, None), tkv, tw, tks, tke, clean_logits=True, max_seqlen_k=0, logits_dtype=tdt),
+            timing.torch_sync)
+        contenders[f"jax_dg {name}"] = (lambda f=f: f(q, kv, w, ks, ke), timing.jax_sync)
+    t = timing.compare(contenders, 50)
+    rows = []
+    for who in ("torch", "jax_dg"):
+        rows.append({"shape": f"S{s} SK{sk}", "who": who, "f32_us": t[f"{who} f32"],
+                     "bf16_us": t[f"{who} bf16"], "bf16/f32": t[f"{who} bf16"] / t[f"{who} f32"]})
+    rows[1]["torch/jax_dg bf16"] = t["torch bf16"] / t["jax_dg bf16"]
+    return rows
+
+
 def main():
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, "
           f"deep_gemm {getattr(deep_gemm, '__version__', '?')}, H={H}, D={D}")
@@ -123,6 +148,10 @@ def main():
         ("copy_us", "copy us"), ("copy_%", "copy %"), ("max/max", "max/max"),
         ("jax_dg_TFLOPs", "TFLOP/s")],
         label=lambda r: f"{r['shape']} {r['form']}", ratios=["torch/jax_dg", "max/max"])
+    # a second table, printed only (one plot per benchmark)
+    print(plot.table_text("mqa_logits: bfloat16 vs float32 logits (full form)", bench_logits_dtype(*DTYPE_SHAPE), [
+        ("shape", "shape"), ("who", "caller"), ("f32_us", "f32 us"), ("bf16_us", "bf16 us"),
+        ("bf16/f32", "bf16/f32"), ("torch/jax_dg bf16", "torch/jax_dg bf16")]))
 
 
 if __name__ == "__main__":

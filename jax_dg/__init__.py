@@ -62,7 +62,9 @@ from jax_dg.ops.gemm import (
 )
 from jax_dg.ops.grouped import (
     fp8_m_grouped_gemm_nt_masked,
+    k_grouped_bf16_gemm_tn_contiguous,
     k_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_bf16_gemm_nn_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nt_masked,
     m_grouped_fp8_gemm_nt_contiguous,
@@ -110,6 +112,7 @@ from jax_dg.routing import (
     mk_alignment_scope,
     permute_to_contiguous,
     permute_to_masked,
+    psum_layout,
     set_mk_alignment_for_contiguous_layout,
 )
 from jax_dg.scales import (

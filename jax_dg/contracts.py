@@ -51,19 +51,36 @@ MQA_BLOCK_QH = 128         # query rows x heads per block: rows are aligned to 1
 MQA_BLOCK_KV = 256         # keys per block: the kernels write whole blocks, hence the slack
 
 
+LOGITS_DTYPES = ("float32", "bfloat16")   # logits_dtype of the MQA-logits kernels
+LOGITS_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+LEGACY_LOGITS_STRIDE_ALIGN = 64  # elements, whatever the dtype (DeepGEMM <= 2.5, the references)
+LOGITS_ROW_BYTES = 1024          # DeepGEMM >= 2.6: row stride a multiple of 1024 bytes
+
+
+def logits_stride_align(version: tuple[int, int], logits_dtype: str) -> int:
+    """Row-stride alignment (elements) of the logits DeepGEMM `version` allocates: 64 up to
+    2.5 (both dtypes), 1024 bytes from 2.6 (256 float32 or 512 bfloat16 elements)."""
+    if version < (2, 6):
+        return LEGACY_LOGITS_STRIDE_ALIGN
+    return LOGITS_ROW_BYTES // LOGITS_ITEMSIZE[logits_dtype]
+
+
 def mqa_logits_layout(rows: int, heads: int, seq_len_kv: int, max_seqlen_k: int,
-                      stride_align: int = 64) -> tuple[int, int]:
-    """(rows, row stride) of the buffer fp8_fp4_mqa_logits allocates: rows aligned to 128/H;
-    full form stride align(SK + 256, stride_align) (64 up to DeepGEMM 2.5, 256 from 2.6),
-    compressed form align(max_seqlen_k, 256)."""
-    stride = (align(max_seqlen_k, MQA_BLOCK_KV) if max_seqlen_k
+                      stride_align: int = LEGACY_LOGITS_STRIDE_ALIGN) -> tuple[int, int]:
+    """(rows, row stride in elements) of the buffer fp8_fp4_mqa_logits allocates: rows aligned
+    to 128/H; full form stride align(SK + 256, stride_align), compressed form
+    align(align(max_seqlen_k, 256), stride_align) (see logits_stride_align)."""
+    stride = (align(align(max_seqlen_k, MQA_BLOCK_KV), stride_align) if max_seqlen_k
               else align(seq_len_kv + MQA_BLOCK_KV, stride_align))
     return align(rows, MQA_BLOCK_QH // heads), stride
 
 
-def paged_logits_layout(rows: int, max_context_len: int) -> tuple[int, int]:
-    """(rows, row stride) of the buffer fp8_fp4_paged_mqa_logits allocates."""
-    return rows, align(max_context_len, MQA_BLOCK_KV)
+def paged_logits_layout(rows: int, max_context_len: int,
+                        stride_align: int = LEGACY_LOGITS_STRIDE_ALIGN) -> tuple[int, int]:
+    """(rows, row stride in elements) of the buffer fp8_fp4_paged_mqa_logits allocates:
+    align(align(max_context_len, 256), stride_align) (float32 rows: align(L, 256) in every
+    version)."""
+    return rows, align(align(max_context_len, MQA_BLOCK_KV), stride_align)
 
 
 # torch's CUDA caching allocator asks for whole segments (c10/cuda/CUDACachingAllocator.cpp):

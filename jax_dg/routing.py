@@ -193,6 +193,21 @@ def contiguous_layout(topk_idx: jax.Array, num_experts: int, *, alignment: int |
                             padded.sum().astype(jnp.int32))
 
 
+def psum_layout(topk_idx: jax.Array, num_experts: int, *, alignment: int | None = None,
+                max_rows: int | None = None) -> tuple[jax.Array, ContiguousLayout]:
+    """DeepGEMM's psum layout of a routing: (psum int32 [G], the ContiguousLayout it describes).
+
+    psum[j] = the end row (exclusive) of expert j's rows, which start at align(psum[j-1],
+    alignment): the rows of contiguous_layout(...) (same arguments), so permute_to_contiguous /
+    combine_from_contiguous work with the returned layout as they are; pass psum as the
+    grouped_layout of an m-grouped contiguous GEMM with use_psum_layout=True. With a smaller
+    max_rows, ends are cut to it (the rows past it are dropped as in contiguous_layout)."""
+    layout = contiguous_layout(topk_idx, num_experts, alignment=alignment, max_rows=max_rows)
+    m = layout.grouped_layout.shape[0]
+    psum = jnp.minimum(layout.group_offsets + layout.group_sizes, m).astype(jnp.int32)
+    return psum, layout
+
+
 def masked_layout(topk_idx: jax.Array, num_experts: int, max_m: int) -> MaskedLayout:
     """The masked grouped layout of a routing: expert g's rows in slots [0, masked_m[g])."""
     ck = Checker("masked_layout")

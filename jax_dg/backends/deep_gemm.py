@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
+import re
 import types
 from typing import Any, Callable
 
@@ -71,6 +73,51 @@ ADAPTED: dict[str, tuple[str, Callable[[Callable], Callable]]] = {
 }
 
 
+def takes_keyword(fn: Callable, name: str) -> bool | None:
+    """Whether `fn` takes the keyword argument `name`: from its signature, else from the
+    signature line pybind11 writes first in its docstring ("f(a: T, name: bool = True) -> R");
+    None when neither says (an overloaded pybind11 function, no docstring)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):   # pybind11 builtins have no inspectable signature
+        params = None
+    if params is not None:
+        return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    lines = (getattr(fn, "__doc__", None) or "").strip().splitlines()
+    found = re.match(r"\s*[\w.]+\((.*)\)\s*(->.*)?$", lines[0]) if lines else None
+    if found is None:
+        return None
+    return re.search(rf"(^|[\s,(]){re.escape(name)}\s*[:=]", found.group(1)) is not None
+
+
+def _adapt_mqa_logits_clean(fn: Callable) -> Callable:
+    # DeepGEMM >= 2.8 dropped `clean_logits` from fp8_fp4_mqa_logits (max_seqlen_k moved to the
+    # 6th place): keep 2.5's keyword call and drop the argument where the kernel has none. jax_dg
+    # masks invalid positions itself, so whether such a DeepGEMM cleans changes nothing read.
+    takes = takes_keyword(fn, "clean_logits")
+    if takes:
+        return fn
+
+    @functools.wraps(fn)
+    def call(q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0, logits_dtype=None):
+        kw = {"max_seqlen_k": max_seqlen_k}
+        if logits_dtype is not None:
+            kw["logits_dtype"] = logits_dtype
+        if takes is None:   # unknown: 2.5's form first, pybind11's TypeError means "not this one"
+            try:
+                return fn(q, kv, weights, ks, ke, clean_logits=clean_logits, **kw)
+            except TypeError:
+                pass
+        return fn(q, kv, weights, ks, ke, **kw)
+    return call
+
+
+# Public name -> adapter of the found callable to the signature jax_dg calls (2.5.0's).
+SIGNATURES: dict[str, Callable[[Callable], Callable]] = {
+    "fp8_fp4_mqa_logits": _adapt_mqa_logits_clean,
+}
+
+
 @functools.cache
 def module() -> types.ModuleType | None:
     """The deep_gemm module, or None when neither source imports."""
@@ -108,7 +155,7 @@ def lookup(name: str) -> Callable | None:
     for candidate in NAMES.get(name, (name,)):
         fn = getattr(dg, candidate, None)
         if fn is not None:
-            return fn
+            return SIGNATURES.get(name, lambda f: f)(fn)
     if name in ADAPTED:
         legacy, adapt = ADAPTED[name]
         fn = getattr(dg, legacy, None)
@@ -149,13 +196,10 @@ def namespace(symbols: tuple[str, ...]) -> Namespace:
     return Namespace(**found)
 
 
-def mqa_logits_stride_align() -> int:
-    """The row-stride alignment (floats) of the full-form logits the installed DeepGEMM
-    allocates: align(SK + 256, 64) up to 2.5, align(SK + 256, 256) from 2.6 (source). The call
-    checks the real stride at run time (jax_dg.core.landing)."""
+def version_tuple() -> tuple[int, int]:
+    """(major, minor) of the installed DeepGEMM; (0, 0) when unknown."""
     parts = (version() or "0.0").split(".")
     try:
-        major, minor = int(parts[0]), int(parts[1])
+        return int(parts[0]), int(parts[1])
     except (ValueError, IndexError):
-        return 64
-    return 256 if (major, minor) >= (2, 6) else 64
+        return 0, 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dg.contracts import align, cdiv
 from jax_dg.backends import kernels
@@ -187,8 +188,11 @@ def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
     return d
 
 
-@exposes(M_GROUPED_FP8_CONTIGUOUS)
-def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True) -> jax.Array:
+@exposes(M_GROUPED_FP8_CONTIGUOUS)   # and M_GROUPED_FP8_PSUM (marked where it is declared)
+def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True,
+                                     use_psum_layout: bool = False,
+                                     expected_m_for_psum_layout: int | None = None,
+                                     compiled_dims: str | None = None) -> jax.Array:
     """MoE experts on contiguous rows: d[r] = a[r] @ b[grouped_layout[r]].T (DeepGEMM
     m_grouped_fp8_gemm_nt_contiguous).
 
@@ -210,8 +214,23 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     BF16 form zeroes every padding row). clean=False: d straight from DeepGEMM; padding rows
     hold 0 or a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0,
     as routing.permute_to_contiguous makes them).
+    use_psum_layout=True: grouped_layout is instead int32 [G], psum[j] = the end row (exclusive)
+    of group j, whose rows run from align(psum[j-1], A) (0 for j = 0) to psum[j]; M % A == 0
+    still (jax_dg.routing.psum_layout builds it from top-k ids). Offsets known while tracing
+    (numpy, lists, constants) must be non-decreasing and in [0, M] (ArgumentError); traced
+    ones are clipped to [0, M] and to their running maximum with clean=True (a decreasing
+    entry makes its group empty) and rows in no group are 0; with clean=False they go to
+    DeepGEMM as they are (rows outside groups unspecified; bad offsets: unspecified rows, reads
+    past a). expected_m_for_psum_layout: static rows-per-group hint (psum layout only).
+    Sharding: the psum form runs whole (operands gathered).
+    compiled_dims: static string of the dims DeepGEMM compiles in ('nk' by default; letters of
+    'mnk'): speed only, the same results.
     """
     ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
+    _psum_doc_check(ck, use_psum_layout, expected_m_for_psum_layout)
+    if use_psum_layout or compiled_dims is not None:
+        return m_grouped_fp8_psum(a, b, grouped_layout, clean=clean, use_psum_layout=use_psum_layout,
+                                  expected_m=expected_m_for_psum_layout, compiled_dims=compiled_dims)
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
     ck.ndim(bv, "b[0]", 3, "[G, N, K]")
@@ -220,12 +239,21 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
                        grouped_layout, clean)
 
 
-@exposes(M_GROUPED_BF16_CONTIGUOUS)
-def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True) -> jax.Array:
+@exposes(M_GROUPED_BF16_CONTIGUOUS)   # and M_GROUPED_BF16_PSUM (marked where it is declared)
+def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True,
+                                      use_psum_layout: bool = False,
+                                      expected_m_for_psum_layout: int | None = None,
+                                      compiled_dims: str | None = None) -> jax.Array:
     """BF16 m_grouped_fp8_gemm_nt_contiguous: a bfloat16 [M, K], b bfloat16 [G, N, K],
     grouped_layout int32 [M] (-1 = padding) -> d bfloat16 [M, N], float32 accumulation
-    (DeepGEMM m_grouped_bf16_gemm_nt_contiguous). Same layout contract and `clean`; K % 64 == 0."""
+    (DeepGEMM m_grouped_bf16_gemm_nt_contiguous). Same layout contract, `clean`, psum layout
+    (use_psum_layout, expected_m_for_psum_layout) and compiled_dims; K % 64 == 0. B stored
+    [G, K, N]: m_grouped_bf16_gemm_nn_contiguous."""
     ck = Checker("m_grouped_bf16_gemm_nt_contiguous")
+    _psum_doc_check(ck, use_psum_layout, expected_m_for_psum_layout)
+    if use_psum_layout or compiled_dims is not None:
+        return m_grouped_bf16_psum(a, b, grouped_layout, clean=clean, use_psum_layout=use_psum_layout,
+                                   expected_m=expected_m_for_psum_layout, compiled_dims=compiled_dims)
     ck.ndim(b, "b", 3, "[G, N, K]")
     return _contiguous(M_GROUPED_BF16_CONTIGUOUS, ck, (a, b), b.shape[0], grouped_layout, clean)
 
@@ -336,14 +364,20 @@ def m_grouped_bf16_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: boo
 
 # --- k-grouped (weight gradients), SM90 -----------------------------------------------------------
 
-def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
-    ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
+def _k_grouped_c(ck: Checker, c, ks):
+    """The k-grouped rule's ks and c checks (shared by FP8 and BF16); returns (G, M, N)."""
     ck.that(len(ks) > 0 and all(kg >= 0 and kg % 128 == 0 for kg in ks), "ks",
             "must be a non-empty list of multiples of 128 (one K per group, 0 allowed)", ks)
     ck.ndim(c, "c", 3, "[G, M, N]")
     ck.dtype(c, "c", F32)
     g, m, n = c.shape
     ck.that(g == len(ks), "c", f"must have len(ks) = {len(ks)} groups", tuple(c.shape))
+    return g, m, n
+
+
+def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
+    ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
+    g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(n % 4 == 0, "c", "must have N % 4 == 0 (16-byte rows of the float32 d)", n)
     sum_k = sum(ks)
     ck.tensor(a, "a[0]", [FP8], (sum_k * m,), "[sum(ks) * M] (group g row-major [M, ks[g]])")
@@ -371,6 +405,15 @@ K_GROUPED_FP8 = Op(
 )
 
 
+def _static_ks(ck: Checker, ks) -> list[int]:
+    if not isinstance(ks, (list, tuple)):
+        ck.fail("ks", "must be a static list of ints", type(ks).__name__)
+    ks = [ck.static_int(kg, "ks") for kg in ks]
+    ck.that(all(0 <= kg < 2 ** 31 for kg in ks), "ks", "must be multiples of 128 in [0, 2**31) "
+            "(int32 group sizes)", ks)
+    return ks
+
+
 @exposes(K_GROUPED_FP8)
 def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     """Grouped weight gradients: d[g] = c[g] + A_g @ B_g.T, with group g's K = ks[g] (DeepGEMM
@@ -387,12 +430,262 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
-    if not isinstance(ks, (list, tuple)):
-        ck.fail("ks", "must be a static list of ints", type(ks).__name__)
-    ks = [ck.static_int(kg, "ks") for kg in ks]
-    ck.that(all(0 <= kg < 2 ** 31 for kg in ks), "ks", "must be multiples of 128 in [0, 2**31) "
-            "(int32 group sizes)", ks)
+    ks = _static_ks(ck, ks)
     ck.that(c is not None, "c", "is required (d = c + a @ b.T)")
     ks_tensor = jnp.asarray(ks, dtype=I32)
     (d,) = K_GROUPED_FP8(av, sfa, bv, sfb, ks_tensor, c, ks=ks)
+    return d
+
+
+# --- m-grouped contiguous: the psum layout, and BF16 with B stored [G, K, N] ("nn") ---------------
+#
+# DeepGEMM's use_psum_layout=True: grouped_layout is int32 [G], psum[j] = the end (exclusive) of
+# group j's rows; group j runs from align(psum[j - 1], A) (0 for j = 0) to psum[j], A =
+# get_mk_alignment_for_contiguous_layout(). Rows in no group are unspecified in DeepGEMM (0
+# here with clean=True). These ops are new records (the per-row-id ops above are unchanged);
+# they also carry compiled_dims, so a call that gives compiled_dims with per-row ids runs here.
+
+COMPILED_DIMS = "mnk"
+
+
+def check_compiled_dims(ck: Checker, compiled_dims, default: str) -> str:
+    """DeepGEMM's `compiled_dims`: the GEMM dims (letters of 'mnk', each at most once) compiled
+    into the kernel as constants; it changes speed, never results. None: DeepGEMM's default."""
+    if compiled_dims is None:
+        return default
+    ck.that(isinstance(compiled_dims, str) and set(compiled_dims) <= set(COMPILED_DIMS)
+            and len(set(compiled_dims)) == len(compiled_dims), "compiled_dims",
+            "must be a static string of distinct letters of 'mnk' (e.g. 'nk', 'mn')", repr(compiled_dims))
+    return compiled_dims
+
+
+def _psum_rule(name: str, fp8: bool, nn: bool = False):
+    def rule(a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
+        ck = Checker(name)
+        bk = b if not nn else jax.ShapeDtypeStruct((b.shape[0], b.shape[2], b.shape[1]), b.dtype)
+        if nn:
+            ck.ndim(b, "b", 3, "[G, K, N]")
+        g, m, n, _ = _m_grouped_operands(ck, a, sfa, bk, sfb, fp8=fp8, masked=False,
+                                         mk_alignment=mk_alignment)
+        if use_psum_layout:
+            ck.tensor(layout, "grouped_layout", [I32], (g,), "[G] (psum: each group's end row)")
+        else:
+            ck.tensor(layout, "grouped_layout", [I32], (m,), "[M] (group id per row, -1 = padding)")
+        return [jax.ShapeDtypeStruct((m, n), BF16)]
+    return rule
+
+
+def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
+    kw = {"compiled_dims": compiled_dims}
+    if use_psum_layout:
+        kw["use_psum_layout"] = True
+        if expected_m:
+            kw["expected_m_for_psum_layout"] = expected_m
+    return kw
+
+
+def _fp8_psum_run(dg, a, sfa, b, sfb, layout, d, *, mk_alignment, use_psum_layout, expected_m,
+                  compiled_dims):
+    _use_alignment(dg, mk_alignment)
+    dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, layout,
+                                        **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+
+
+def _bf16_layout_run(symbol: str):
+    def run(dg, a, b, layout, d, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
+        _use_alignment(dg, mk_alignment)
+        getattr(dg, symbol)(a, b, d, layout, **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+    return run
+
+
+def _layout_reference(x, w, layout, mk_alignment, use_psum_layout):
+    ids = ref.psum_to_row_groups(layout, x.shape[0], mk_alignment) if use_psum_layout else layout
+    return ref.m_grouped_contiguous(x, w, ids)
+
+
+M_GROUPED_FP8_PSUM = Op(
+    name="m_grouped_fp8_gemm_nt_contiguous_psum",
+    args=("a", "sfa", "b", "sfb", "grouped_layout"),
+    rule=_psum_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
+    run=_fp8_psum_run,
+    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
+        _layout_reference(ref.dequant(a, mn_major_logical(sfa, a.shape[0]), 1, 128),
+                          ref.dequant(b, sfb, 128, 128), layout, mk_alignment, use_psum_layout),
+    symbols=("m_grouped_fp8_gemm_nt_contiguous",),
+    # not graph_safe (yet): whether DeepGEMM's psum path allocates was not measured on the H200
+)
+
+
+def _bf16_layout_op(name: str, symbol: str, nn: bool) -> Op:
+    rule = _psum_rule(name, fp8=False, nn=nn)
+    return Op(
+        name=name + ("" if nn else "_psum"),
+        args=("a", "b", "grouped_layout"),
+        rule=lambda a, b, layout, **static: rule(a, None, b, None, layout, **static),
+        run=_bf16_layout_run(symbol),
+        reference=lambda a, b, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
+            _layout_reference(a, jnp.swapaxes(b, 1, 2) if nn else b, layout, mk_alignment,
+                              use_psum_layout),
+        symbols=(symbol,),
+    )
+
+
+M_GROUPED_BF16_PSUM = _bf16_layout_op("m_grouped_bf16_gemm_nt_contiguous",
+                                      "m_grouped_bf16_gemm_nt_contiguous", nn=False)
+M_GROUPED_BF16_NN_CONTIGUOUS = _bf16_layout_op("m_grouped_bf16_gemm_nn_contiguous",
+                                               "m_grouped_bf16_gemm_nn_contiguous", nn=True)
+# the public contiguous functions run these too (info reports what each function may run)
+exposes(M_GROUPED_FP8_CONTIGUOUS, M_GROUPED_FP8_PSUM)(m_grouped_fp8_gemm_nt_contiguous)
+exposes(M_GROUPED_BF16_CONTIGUOUS, M_GROUPED_BF16_PSUM)(m_grouped_bf16_gemm_nt_contiguous)
+
+
+def _static_psum(ck: Checker, psum, m: int):
+    """Checks psum offsets that are known while tracing (numpy, lists, constants): non-decreasing,
+    in [0, M]. Traced offsets cannot be read here: see _sanitised_psum."""
+    if isinstance(psum, jax.core.Tracer):
+        return
+    values = np.asarray(psum)
+    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+        return   # the rule names the shape or dtype
+    ck.that(bool((values >= 0).all() and (values <= m).all()), "grouped_layout",
+            f"(psum) must hold end rows in [0, M] = [0, {m}]", values.tolist())
+    ck.that(bool((np.diff(values) >= 0).all()), "grouped_layout",
+            "(psum) must be non-decreasing (group j ends where group j + 1 may start)", values.tolist())
+
+
+def _psum_contiguous(op, ck, arrays, m: int, grouped_layout, clean, expected_m, compiled_dims):
+    a_ = get_mk_alignment_for_contiguous_layout()
+    _static_psum(ck, grouped_layout, m)
+    grouped_layout = jnp.asarray(grouped_layout)
+    ck.dtype(grouped_layout, "grouped_layout", I32)
+    expected_m = 0 if expected_m is None else ck.static_int(expected_m, "expected_m_for_psum_layout", 1)
+    if clean:
+        # data: end rows clipped to [0, M] and to their running maximum (a decreasing entry
+        # makes that group empty), so DeepGEMM never runs past d
+        grouped_layout = jax.lax.cummax(jnp.clip(grouped_layout, 0, m), axis=0)
+    (d,) = op(*arrays, grouped_layout, mk_alignment=a_, use_psum_layout=True, expected_m=expected_m,
+              compiled_dims=compiled_dims)
+    if clean:
+        ids = ref.psum_to_row_groups(grouped_layout, m, a_)
+        d = jnp.where((ids >= 0)[:, None], d, jnp.zeros((), d.dtype))
+    return d
+
+
+def _psum_doc_check(ck: Checker, use_psum_layout, expected_m):
+    ck.that(isinstance(use_psum_layout, bool), "use_psum_layout", "must be a Python bool", use_psum_layout)
+    ck.that(use_psum_layout or expected_m is None, "expected_m_for_psum_layout",
+            "is only taken with use_psum_layout=True (DeepGEMM asserts it)", expected_m)
+
+
+def _with_ids(op, dims):
+    """`op` (one of the records above) called the way _contiguous calls the per-row-id ops.
+    These records do not run the cleaning kernel: clean=True is a select in XLA here."""
+    def call(*xs, mk_alignment, clean):
+        (d,) = op(*xs, mk_alignment=mk_alignment, use_psum_layout=False, expected_m=0,
+                  compiled_dims=dims)
+        if clean:
+            d = jnp.where((xs[-1] >= 0)[:, None], d, jnp.zeros((), d.dtype))
+        return (d,)
+    return call
+
+
+def m_grouped_fp8_psum(a, b, grouped_layout, *, clean, use_psum_layout, expected_m, compiled_dims):
+    """m_grouped_fp8_gemm_nt_contiguous with the psum layout or compiled_dims: see its docstring."""
+    ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
+    av, sfa = ck.pair(a, "a")
+    bv, sfb = ck.pair(b, "b")
+    ck.ndim(bv, "b[0]", 3, "[G, N, K]")
+    sfa = _fp8_scales(ck, av, sfa, bv, sfb, masked=False)
+    dims = check_compiled_dims(ck, compiled_dims, "nk")
+    if not use_psum_layout:
+        return _contiguous(_with_ids(M_GROUPED_FP8_PSUM, dims), ck, (av, sfa, bv, sfb), bv.shape[0],
+                           grouped_layout, clean)
+    return _psum_contiguous(M_GROUPED_FP8_PSUM, ck, (av, sfa, bv, sfb), av.shape[0], grouped_layout,
+                            clean, expected_m, dims)
+
+
+def m_grouped_bf16_psum(a, b, grouped_layout, *, clean, use_psum_layout, expected_m, compiled_dims):
+    """m_grouped_bf16_gemm_nt_contiguous with the psum layout or compiled_dims: see its docstring."""
+    ck = Checker("m_grouped_bf16_gemm_nt_contiguous")
+    ck.ndim(b, "b", 3, "[G, N, K]")
+    ck.ndim(a, "a", 2, "[M, K]")
+    dims = check_compiled_dims(ck, compiled_dims, "nk")
+    if not use_psum_layout:
+        return _contiguous(_with_ids(M_GROUPED_BF16_PSUM, dims), ck, (a, b), b.shape[0], grouped_layout, clean)
+    return _psum_contiguous(M_GROUPED_BF16_PSUM, ck, (a, b), a.shape[0], grouped_layout, clean,
+                            expected_m, dims)
+
+
+@exposes(M_GROUPED_BF16_NN_CONTIGUOUS)
+def m_grouped_bf16_gemm_nn_contiguous(a, b, grouped_layout, *, clean: bool = True,
+                                      use_psum_layout: bool = False,
+                                      compiled_dims: str | None = None) -> jax.Array:
+    """m_grouped_bf16_gemm_nt_contiguous with B stored [G, K, N] (MN-major B; DeepGEMM
+    m_grouped_bf16_gemm_nn_contiguous): d[r] = a[r] @ b[g], a bfloat16 [M, K], b bfloat16
+    [G, K, N] -> d bfloat16 [M, N]. grouped_layout: per-row ids [M] as for the nt form, or with
+    use_psum_layout=True the psum [G] (see m_grouped_bf16_gemm_nt_contiguous). Same layout
+    contract and `clean`; K % 64 == 0, N % 8 == 0. compiled_dims: see
+    m_grouped_bf16_gemm_nt_contiguous."""
+    ck = Checker("m_grouped_bf16_gemm_nn_contiguous")
+    _psum_doc_check(ck, use_psum_layout, None)
+    ck.ndim(b, "b", 3, "[G, K, N]")
+    ck.ndim(a, "a", 2, "[M, K]")
+    dims = check_compiled_dims(ck, compiled_dims, "nk")
+    if use_psum_layout:
+        return _psum_contiguous(M_GROUPED_BF16_NN_CONTIGUOUS, ck, (a, b), a.shape[0], grouped_layout,
+                                clean, None, dims)
+    return _contiguous(_with_ids(M_GROUPED_BF16_NN_CONTIGUOUS, dims), ck, (a, b), b.shape[0],
+                       grouped_layout, clean)
+
+
+# --- k-grouped BF16 (weight gradients in BF16) ----------------------------------------------------
+
+def _k_grouped_bf16_rule(a, b, ks_tensor, c, *, ks, compiled_dims):
+    ck = Checker("k_grouped_bf16_gemm_tn_contiguous")
+    g, m, n = _k_grouped_c(ck, c, ks)
+    ck.that(m % 8 == 0 and n % 8 == 0, "c", "must have M % 8 == 0 and N % 8 == 0 (16-byte rows of "
+            "the MN-major bfloat16 a and b)", tuple(c.shape))
+    ck.tensor(a, "a", [BF16], (sum(ks), m), "[sum(ks), M] (group g: rows sum(ks[:g]) ...)")
+    ck.tensor(b, "b", [BF16], (sum(ks), n), "[sum(ks), N]")
+    ck.tensor(ks_tensor, "ks_tensor", [I32], (g,), "[G]")
+    return [jax.ShapeDtypeStruct((g, m, n), F32)]
+
+
+def _k_grouped_bf16_run(dg, a, b, ks_tensor, c, d, *, ks, compiled_dims):
+    # upstream's test runs it at mk alignment 128 ("TODO: support arbitrary alignment"): the
+    # alignment the checked ks are multiples of
+    _use_alignment(dg, 128)
+    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, compiled_dims=compiled_dims)
+
+
+K_GROUPED_BF16 = Op(
+    name="k_grouped_bf16_gemm_tn_contiguous",
+    args=("a", "b", "ks_tensor", "c"),
+    rule=_k_grouped_bf16_rule,
+    run=_k_grouped_bf16_run,
+    reference=lambda a, b, ks_tensor, c, *, ks, compiled_dims: ref.k_grouped_bf16_gemm_tn_contiguous(a, b, c, ks=ks),
+    symbols=("k_grouped_bf16_gemm_tn_contiguous",),
+    aliases={"c": 0},
+)
+
+
+@exposes(K_GROUPED_BF16)
+def k_grouped_bf16_gemm_tn_contiguous(a, b, ks, *, c, compiled_dims: str | None = None) -> jax.Array:
+    """Grouped weight gradients in BF16: d[g] = c[g] + A_g.T @ B_g, A_g = a[sum(ks[:g]) :
+    sum(ks[:g+1])] (DeepGEMM k_grouped_bf16_gemm_tn_contiguous, float32 accumulation).
+
+    a: bfloat16 [sum(ks), M]; b: bfloat16 [sum(ks), N] (both MN-major, as DeepGEMM takes them).
+    ks: static list of each group's K, multiples of 128 (0 = empty group: d[g] = c[g]).
+    c: float32 [G, M, N], required (XLA may donate it to d). M % 8 == 0, N % 8 == 0.
+    compiled_dims: static, letters of 'mnk' ('mn' by default): speed only.
+    Returns d float32 [G, M, N].
+    """
+    ck = Checker("k_grouped_bf16_gemm_tn_contiguous")
+    ck.array(a, "a")
+    ck.array(b, "b")
+    ks = _static_ks(ck, ks)
+    ck.that(c is not None, "c", "is required (d = c + a.T @ b)")
+    ck.array(c, "c")
+    dims = check_compiled_dims(ck, compiled_dims, "mn")
+    (d,) = K_GROUPED_BF16(a, b, jnp.asarray(ks, dtype=I32), c, ks=ks, compiled_dims=dims)
     return d

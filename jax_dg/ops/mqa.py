@@ -37,20 +37,32 @@ NEG_INF = float("-inf")
 
 # --- fp8_fp4_mqa_logits -------------------------------------------------------------------------
 
-def logits_buffer(rows: int, stride: int) -> jax.ShapeDtypeStruct:
-    """The custom-call result a padded [rows, stride] float32 logits allocation lands in
+def logits_buffer(rows: int, stride: int, logits_dtype: str = "float32") -> jax.ShapeDtypeStruct:
+    """The custom-call result a padded [rows, stride] logits allocation lands in
     (jax_dg.core.landing): more rows where torch's CUDA allocator rounds the allocation up."""
     segmented = device.target().platform == "cuda"
-    return jax.ShapeDtypeStruct((contracts.landing_rows(rows, stride, 4, segmented), stride), F32)
+    itemsize = contracts.LOGITS_ITEMSIZE[logits_dtype]
+    return jax.ShapeDtypeStruct((contracts.landing_rows(rows, stride, itemsize, segmented), stride),
+                                logits_dtype)
 
 
-def stride_align() -> int:
-    """The full-form row-stride alignment of the logits the traced call's backend allocates."""
+def stride_align(logits_dtype: str = "float32") -> int:
+    """The row-stride alignment (elements) of the logits the traced call's backend allocates
+    (the references keep DeepGEMM 2.5's)."""
     t = device.target()
-    return deep_gemm.mqa_logits_stride_align() if t.backend == "deep_gemm" else 64
+    version = deep_gemm.version_tuple() if t.backend == "deep_gemm" else (2, 5)
+    return contracts.logits_stride_align(version, logits_dtype)
 
 
-def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align):
+def check_logits_dtype(ck: Checker, logits_dtype) -> str:
+    """logits_dtype as its jnp name: float32 or bfloat16 (DeepGEMM's two logits types)."""
+    name = ck.dtype_name(logits_dtype, "logits_dtype")
+    ck.that(name in contracts.LOGITS_DTYPES, "logits_dtype", "must be float32 or bfloat16", name)
+    return name
+
+
+def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
+                     logits_dtype="float32"):
     ck = Checker("mqa_logits")
     ck.ndim(q, "q[0]", 3, "[M, H, D]")
     ck.dtype(q, "q[0]", FP8)
@@ -67,18 +79,20 @@ def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logit
     ck.tensor(ks, "cu_seqlen_ks", [I32], (m,), "[M]")
     ck.tensor(ke, "cu_seqlen_ke", [I32], (m,), "[M]")
     rows, stride = contracts.mqa_logits_layout(m, h, n, max_seqlen_k, stride_align)
-    return [logits_buffer(rows, stride)]
+    return [logits_buffer(rows, stride, logits_dtype)]
 
 
 def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits,
-                    stride_align):
+                    stride_align, logits_dtype="float32"):
     # DeepGEMM writes its own allocation: land it in `out`. No cleaning here (the view masks,
     # fused in XLA). Keywords from the 6th argument on: DeepGEMM >= 2.8 takes max_seqlen_k
-    # 6th, 2.5 takes clean_logits there (a positional int would turn into clean_logits=True).
+    # 6th, 2.5 takes clean_logits there (a positional int would turn into clean_logits=True);
+    # >= 2.8 has no clean_logits at all (backends.deep_gemm drops it by signature).
     rows, stride = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
                                                stride_align)
-    landing.land(out, rows * stride * 4, lambda: dg.fp8_fp4_mqa_logits(
-        (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k))
+    landing.land(out, rows * stride * out.element_size(), lambda: dg.fp8_fp4_mqa_logits(
+        (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k,
+        logits_dtype=rt.dtype(logits_dtype)))
 
 
 def valid_columns(ks, ke, m: int, width: int, num_keys: int, compressed: bool):
@@ -97,7 +111,8 @@ def compressed_lens(ks, ke, num_keys: int):
     return jnp.minimum(ke, num_keys) - ks
 
 
-def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align):
+def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align,
+                     logits_dtype="float32"):
     (buf,) = outs
     m, n = inputs["q"].shape[0], max_seqlen_k or inputs["kv"].shape[0]
     logits = buf[:m, :n]
@@ -108,11 +123,14 @@ def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align):
     return (logits,)
 
 
-def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align):
-    return ref.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
+def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
+                          logits_dtype="float32"):
+    # bfloat16 logits: DeepGEMM rounds its float32 sums once, on the store
+    return ref.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k).astype(logits_dtype)
 
 
-def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, stride_align):
+def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, stride_align,
+                      logits_dtype="float32"):
     """vmap over batches of queries with shared keys: the batch folds into M (one kernel over
     B * M query rows); keys batched too: sequential."""
     if batched["kv"] or batched["kv_sf"]:
@@ -121,7 +139,8 @@ def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, stri
     m = q.shape[1]
     (out,) = FP8_MQA_LOGITS(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w),
                             ks.reshape(-1), ke.reshape(-1), max_seqlen_k=max_seqlen_k,
-                            clean_logits=clean_logits, stride_align=stride_align)
+                            clean_logits=clean_logits, stride_align=stride_align,
+                            logits_dtype=logits_dtype)
     return (out.reshape(size, m, -1),)
 
 
@@ -169,7 +188,7 @@ def _q_values_and_weights(ck: Checker, q, weights):
 
 @exposes(FP8_MQA_LOGITS)
 def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int | None = None,
-               clean_logits: bool = True) -> jax.Array:
+               clean_logits: bool = True, logits_dtype=jnp.float32) -> jax.Array:
     """The lightning indexer's scores (DeepGEMM fp8_fp4_mqa_logits), usable inside jax.jit.
 
         logits[i, n] = sum_h weights[i, h] * relu(q[i, h, :] . kv[n, :] * kv_scale[n])
@@ -192,13 +211,17 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
        those positions are unspecified (DeepGEMM leaves real scores, stale memory or anything
        in them, NaN included) and only the valid ones may be read; it saves the masking work
        (a separate kernel in the full form). Valid positions are identical either way.
+    logits_dtype: float32 (default) or bfloat16: DeepGEMM rounds each float32 sum to bfloat16
+       as it stores it (half the output bytes; -inf stays -inf). Static.
     """
     arrays, width = mqa_arguments("mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits), stride_align=stride_align())
+    dtype = check_logits_dtype(Checker("mqa_logits"), logits_dtype)
+    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits),
+                  stride_align=stride_align(dtype), logits_dtype=dtype)
     _mqa_logits_rule(*arrays, **static)
     shape = (arrays[0].shape[0], width or arrays[1].shape[0])
     if 0 in shape or arrays[1].shape[0] == 0:  # nothing to score: every position is invalid
-        return jnp.full(shape, NEG_INF, F32)
+        return jnp.full(shape, NEG_INF, dtype)
     (logits,) = FP8_MQA_LOGITS(*arrays, **static)
     return logits
 
@@ -244,12 +267,12 @@ def clamp_row_ends(ks, ke, width: int):
 
 @exposes(FP8_MQA_LOGITS)
 def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k, *,
-                       clean_logits: bool = True) -> jax.Array:
+                       clean_logits: bool = True, logits_dtype=jnp.float32) -> jax.Array:
     """vLLM's wrapper's name and call shape (`fp8_fp4_mqa_logits`): `mqa_logits` with
     `max_seqlen_k` given positionally (None for the full [M, N] form). Unlike DeepGEMM's, the
     compressed tail is -inf unless clean_logits=False."""
     return mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k=max_seqlen_k,
-                      clean_logits=clean_logits)
+                      clean_logits=clean_logits, logits_dtype=logits_dtype)
 
 
 # --- sparse (DeepGEMM >= 2.8, SM100 only) ---------------------------------------------------------

@@ -46,7 +46,7 @@ from jax_dg.core.checks import Checker
 from jax_dg.core import device, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
-from jax_dg.ops.mqa import logits_buffer, qk_dtype_name
+from jax_dg.ops.mqa import check_logits_dtype, logits_buffer, qk_dtype_name, stride_align
 from jax_dg.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
 
@@ -182,24 +182,28 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
 # --- dense paged logits -----------------------------------------------------------------------
 
 def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                 indices, *, max_model_len, clean_logits, slots):
-    return [logits_buffer(*contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len))]
+                 indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
+                 stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
+    # float32 rows are align(L, 256) in every DeepGEMM version: the default serves the indexer
+    layout = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
+    return [logits_buffer(*layout, logits_dtype)]
 
 
 def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, out, *, max_model_len, clean_logits, slots):
+                indices, out, *, max_model_len, clean_logits, slots, logits_dtype="float32",
+                stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # the schedule of exactly these rows (a shard's, under jit)
         schedule_metadata = dg.get_paged_mqa_logits_metadata(context_lens, kv_cache.shape[1], slots, **kw)
     # DeepGEMM's allocation lands in `out` (jax_dg.core.landing); the view masks, fused in XLA.
     # Keywords: positional arguments after the 7th changed meaning across DeepGEMM releases.
-    rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len)
-    landing.land(out, rows * stride * 4, lambda: dg.fp8_fp4_paged_mqa_logits(
+    rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
+    landing.land(out, rows * stride * out.element_size(), lambda: dg.fp8_fp4_paged_mqa_logits(
         (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len, clean_logits=False, **kw))
+        max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw))
 
 
-def _logits_view(outs, inputs, *, max_model_len, clean_logits, slots):
+def _logits_view(outs, inputs, *, max_model_len, clean_logits, slots, **layout):
     (buf,) = outs
     lens = inputs["context_lens"].reshape(-1)
     logits = buf[:lens.shape[0], :max_model_len]
@@ -210,12 +214,13 @@ def _logits_view(outs, inputs, *, max_model_len, clean_logits, slots):
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                      indices, *, max_model_len, clean_logits, slots):
+                      indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
+                      stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
     return ref.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len).astype(logits_dtype)
 
 
-def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots):
+def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots, **layout):
     """vmap over batches of requests sharing one KV cache: the batch folds into B (one kernel
     over V * B requests, the schedule computed for all of them); a batched cache, MX scales,
     the varlen form or a given schedule: sequential."""
@@ -225,7 +230,7 @@ def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots):
                          for n in ("q", "weights", "context_lens", "block_tables"))
     (out,) = PAGED_MQA_LOGITS(fold_rows(q), None, inputs["kv_cache"], fold_rows(w), fold_rows(lens),
                               fold_rows(table), None, None, max_model_len=max_model_len,
-                              clean_logits=clean_logits, slots=slots)
+                              clean_logits=clean_logits, slots=slots, **layout)
     return (out.reshape(size, -1, out.shape[-1]),)
 
 
@@ -256,12 +261,14 @@ PAGED_MQA_LOGITS = Op(
 
 
 def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                  max_model_len, indices, clean_logits):
+                  max_model_len, indices, clean_logits, logits_dtype):
     arrays, static = paged_arguments(name, q, kv_cache, weights, context_lens, block_tables,
                                      schedule_metadata, max_model_len, indices)
     ck = Checker(name)
     ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
-    (out,) = PAGED_MQA_LOGITS(*arrays, clean_logits=clean_logits, **static)
+    dtype = check_logits_dtype(ck, logits_dtype)
+    (out,) = PAGED_MQA_LOGITS(*arrays, clean_logits=clean_logits, logits_dtype=dtype,
+                              stride_align=stride_align(dtype), **static)
     return out
 
 
@@ -376,7 +383,8 @@ def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots):
 
 @exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
 def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                             max_model_len, indices=None, *, clean_logits: bool = True) -> jax.Array:
+                             max_model_len, indices=None, *, clean_logits: bool = True,
+                             logits_dtype=jnp.float32) -> jax.Array:
     """MQA logits over a paged FP8 KV cache (DeepGEMM fp8_fp4_paged_mqa_logits; vLLM's wrapper's call).
 
     q: (values float8_e4m3fn [B, next_n, H, D], None) — on SM100 optionally packed UE8M0 scales
@@ -398,21 +406,24 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
     indices: int32 [B] request id per row, the varlen form (next_n == 1; SM100 in DeepGEMM).
     clean_logits: fill positions past each row's length with -inf (default); False leaves them
        unspecified and saves that part of the output pass.
-    Returns float32 [B * next_n, max_model_len].
+    logits_dtype: float32 (default) or bfloat16 (each float32 sum rounded once on the store).
+    Returns logits_dtype [B * next_n, max_model_len].
     """
     return _paged_logits("fp8_fp4_paged_mqa_logits", q, kv_cache, weights, context_lens,
-                         block_tables, schedule_metadata, max_model_len, indices, clean_logits)
+                         block_tables, schedule_metadata, max_model_len, indices, clean_logits,
+                         logits_dtype)
 
 
 @exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, *, max_model_len=None,
-                     schedule_metadata=None, indices=None, clean_logits: bool = True) -> jax.Array:
+                     schedule_metadata=None, indices=None, clean_logits: bool = True,
+                     logits_dtype=jnp.float32) -> jax.Array:
     """JAX-style `fp8_fp4_paged_mqa_logits`: q is the FP8 values (or a (values, scales) pair),
     max_model_len defaults to max_blocks * block_size, and the schedule metadata is computed
     here unless given (pass it to reuse one schedule across layers of a decode step)."""
     q = tuple(q) if isinstance(q, (tuple, list)) else (q, None)
     return _paged_logits("paged_mqa_logits", q, kv_cache, weights, context_lens, block_tables,
-                         schedule_metadata, max_model_len, indices, clean_logits)
+                         schedule_metadata, max_model_len, indices, clean_logits, logits_dtype)
 
 
 # --- sparse paged logits (SM100-only kernels) -------------------------------------------------

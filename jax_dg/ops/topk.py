@@ -98,7 +98,9 @@ TOPK = Op(
 def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
                  ks: jax.Array | None = None, ke: jax.Array | None = None,
                  sorted: bool = True) -> jax.Array:
-    """int32 [M, k]: the columns of the k largest logits of each row of float32 [M, N].
+    """int32 [M, k]: the columns of the k largest logits of each row of float32 [M, N]
+    (bfloat16 logits are widened to float32 first, exactly: the selection is the same; the
+    kernel reads float32, so that costs one conversion pass).
 
     Exactly lax.top_k's indices and order (value descending, the lower column first among
     equal values), except that -inf, NaN and columns outside [ks[i], ke[i]) (when given, int32
@@ -114,6 +116,8 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
     """
     ck = Checker("topk_indices")
     ck.array(logits, "logits")
+    if logits.dtype == jnp.bfloat16:
+        logits = logits.astype(F32)
     k = _check_k(ck, k)
     for x, name in ((ks, "ks"), (ke, "ke"), (offsets, "offsets")):
         if x is not None:
@@ -141,14 +145,15 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
 
 def _indexer_rule(q, kv, kv_sf, weights, ks, ke, lens, *, k, sorted, max_seqlen_k, stride_align):
     (scratch,) = mqa._mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k,
-                                      clean_logits=False, stride_align=stride_align)
+                                      clean_logits=False, stride_align=stride_align,
+                                      logits_dtype="float32")
     return [jax.ShapeDtypeStruct((q.shape[0], k), I32), scratch]
 
 
 def _indexer_run(dg, q, kv, kv_sf, weights, ks, ke, lens, idx, scratch, *, k, sorted,
                  max_seqlen_k, stride_align):
     mqa._mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, scratch, max_seqlen_k=max_seqlen_k,
-                        clean_logits=False, stride_align=stride_align)
+                        clean_logits=False, stride_align=stride_align, logits_dtype="float32")
     if max_seqlen_k:   # column t is key ks + t, written for t < lens
         dg.topk_rows(scratch, None, lens, idx, max_seqlen_k, sorted)
     else:
@@ -203,7 +208,8 @@ def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
     Equal to topk_indices(mqa_logits(q, kv, weights, ks, ke, max_seqlen_k=...), k) (with
     offsets=ks in the compressed form), computed without handing the logits back: DeepGEMM
     writes them into a scratch buffer that only the selection reads. Arguments as for
-    `mqa_logits`; k static, 1 <= k <= 4096. Slots past a row's valid keys are -1.
+    `mqa_logits`; k static, 1 <= k <= 4096. Slots past a row's valid keys are -1. The scratch
+    logits are float32 (the selection kernel's input; there is no logits_dtype here).
     sorted=False: the same set in ascending key order, without the sort (see topk_indices).
     """
     arrays, width = mqa.mqa_arguments("indexer_topk", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke,
@@ -211,7 +217,7 @@ def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
     ck = Checker("indexer_topk")
     k = _check_k(ck, k)
     static = dict(k=k, sorted=_check_sorted(ck, sorted), max_seqlen_k=width,
-                  stride_align=mqa.stride_align())
+                  stride_align=mqa.stride_align("float32"))
     qv, kvv, kvs, w, ks, ke = arrays
     lens = None
     if width and ks.shape == ke.shape:

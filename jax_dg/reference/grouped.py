@@ -24,6 +24,19 @@ def m_grouped_contiguous(x, w, layout, *, out_dtype: str = "bfloat16"):
     return jnp.zeros_like(y).at[order].set(y).astype(out_dtype)
 
 
+def psum_to_row_groups(psum, m: int, alignment: int):
+    """The per-row group ids [M] (-1 in no group) of a psum layout: group j holds rows
+    [align(psum[j-1], alignment), psum[j]) (from 0 for j = 0); psum non-decreasing."""
+    psum = psum.astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                              (psum[:-1] + alignment - 1) // alignment * alignment])
+    r = jnp.arange(m, dtype=jnp.int32)
+    j = jnp.searchsorted(psum, r, side="right").astype(jnp.int32)   # first group ending after r
+    safe = jnp.minimum(j, psum.shape[0] - 1)
+    inside = (j < psum.shape[0]) & (r >= starts[safe])
+    return jnp.where(inside, j, -1)
+
+
 def m_grouped_masked(x, w, masked_m, *, out_dtype: str = "bfloat16"):
     """d[g] = x[g] [Mmax, K] @ w[g] [N, K].T for rows < masked_m[g]; the other rows 0."""
     d = jnp.einsum("gmk,gnk->gmn", x.astype(F32), w.astype(F32), precision=HIGHEST)
@@ -60,5 +73,15 @@ def k_grouped_fp8_gemm_nt_contiguous(a, sfa, b, sfb, ks_tensor, c, *, ks):
         x = a[off * m:(off + kg) * m].reshape(m, kg).astype(F32) * jnp.repeat(sfa[rows].T, 128, axis=1)
         y = b[off * n:(off + kg) * n].reshape(n, kg).astype(F32) * jnp.repeat(sfb[rows].T, 128, axis=1)
         outs.append(c[g] + jnp.matmul(x, y.T, precision=HIGHEST))
+        off += kg
+    return jnp.stack(outs).astype(F32)
+
+
+def k_grouped_bf16_gemm_tn_contiguous(a, b, c, *, ks):
+    """d[g] = c[g] + a[rows_g].T @ b[rows_g], rows_g group g's K rows of a [sum(ks), M], b [sum(ks), N]."""
+    outs, off = [], 0
+    for g, kg in enumerate(ks):
+        x, y = a[off:off + kg].astype(F32), b[off:off + kg].astype(F32)
+        outs.append(c[g] + jnp.matmul(x.T, y, precision=HIGHEST) if kg else c[g])
         off += kg
     return jnp.stack(outs).astype(F32)

@@ -13,7 +13,8 @@ from jax_dg.contracts import LEGACY_MK_ALIGNMENT
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "k_grouped_fp8_gemm_nt_contiguous",
-           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
+           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nn_contiguous",
+           "m_grouped_bf16_gemm_nt_masked", "k_grouped_bf16_gemm_tn_contiguous",
            "get_mk_alignment_for_contiguous_layout",
            "set_mk_alignment_for_contiguous_layout",
            "zero_masked_tail", "zero_padding_rows"]
@@ -31,7 +32,21 @@ def set_mk_alignment_for_contiguous_layout(value: int) -> None:
     _mk_alignment[0] = int(value)
 
 
-def _contiguous(x, w, d, grouped_layout):
+def _psum_rows(psum: torch.Tensor, m: int) -> torch.Tensor:
+    """Per-row group ids (-1: in no group) of DeepGEMM's psum layout: group j holds rows
+    [align(psum[j-1], A), psum[j]), A the current mk alignment."""
+    a = _mk_alignment[0]
+    ids = torch.full((m,), -1, dtype=torch.int32, device=psum.device)
+    start = 0
+    for j, end in enumerate(psum.tolist()):
+        ids[start:max(start, min(end, m))] = j
+        start = -(-end // a) * a
+    return ids
+
+
+def _contiguous(x, w, d, grouped_layout, use_psum_layout=False):
+    if use_psum_layout:
+        grouped_layout = _psum_rows(grouped_layout, d.shape[0])
     out = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
     for g in range(w.shape[0]):
         rows = grouped_layout == g
@@ -44,9 +59,13 @@ def _masked(x, w, d, masked_m):
     d.copy_(torch.where(rows[:, :, None], torch.bmm(x, w.mT), 0))
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, **_unused) -> None:
-    """d[r] = a[r] @ b[grouped_layout[r]].T; rows with id -1 (padding) -> 0."""
-    _contiguous(dequant(*a, 1, 128), dequant(*b, 128, 128), d, grouped_layout)
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, compiled_dims="nk",
+                                     use_psum_layout=False, expected_m_for_psum_layout=None,
+                                     **_unused) -> None:
+    """d[r] = a[r] @ b[grouped_layout[r]].T; rows with id -1 (padding) -> 0. With
+    use_psum_layout, grouped_layout [G] holds each group's end row."""
+    _check(use_psum_layout or expected_m_for_psum_layout is None, "not expected_m_for_psum_layout")
+    _contiguous(dequant(*a, 1, 128), dequant(*b, 128, 128), d, grouped_layout, use_psum_layout)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, **_unused) -> None:
@@ -71,13 +90,38 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_tensor, c=None, recipe=(1, 
     d.copy_(out)
 
 
-def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk", **_unused) -> None:
-    _contiguous(a.float(), b.float(), d, grouped_layout)
+def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk",
+                                      use_psum_layout=False, expected_m_for_psum_layout=None) -> None:
+    _check(use_psum_layout or expected_m_for_psum_layout is None, "not expected_m_for_psum_layout")
+    _contiguous(a.float(), b.float(), d, grouped_layout, use_psum_layout)
+
+
+def m_grouped_bf16_gemm_nn_contiguous(a, b, d, grouped_layout, compiled_dims="nk",
+                                      use_psum_layout=False) -> None:
+    """b [G, K, N] (MN-major B): DeepGEMM runs the nt kernel on b.transpose(1, 2)."""
+    m_grouped_bf16_gemm_nt_contiguous(a, b.transpose(1, 2), d, grouped_layout, compiled_dims,
+                                      use_psum_layout)
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"Assertion error (torch reference of deep_gemm): {what}")
 
 
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:
     _masked(a.float(), b.float(), d, masked_m)
 
+
+
+def k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, ks_tensor, c=None, compiled_dims="mn") -> None:
+    """d[g] = c[g] + a[rows_g].T @ b[rows_g] (float32); DeepGEMM requires c."""
+    _check(c is not None, "c.has_value()")
+    out, off = c.float().clone(), 0
+    for g, kg in enumerate(ks):
+        if kg:
+            out[g] += a[off:off + kg].float().T @ b[off:off + kg].float()
+        off += kg
+    d.copy_(out)
 
 
 # --- jax_dg's own cleaning kernels (kernels/zero_rows.cu), same contracts -------------------------

@@ -64,6 +64,7 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, cle
     compressed = max_seqlen_k > 0
     _check(not (compressed and clean_logits), "not clean_logits")
     dtype = torch.float32 if logits_dtype is None else logits_dtype
+    _check(dtype in (torch.float32, torch.bfloat16), "logits_dtype == kFloat32 or kBFloat16")
     width = align(max_seqlen_k, BLOCK_KV) if compressed else align(seq_len_kv + BLOCK_KV, 64)
     storage = padded_empty((align(seq_len, 128 // num_heads), width), dtype, q_fp.device)
     logits = storage[:seq_len, :max_seqlen_k if compressed else seq_len_kv]

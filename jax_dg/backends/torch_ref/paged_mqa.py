@@ -113,7 +113,8 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     _expect(tuple(schedule_meta.shape) == (get_num_sms() // multicast + 1, 2),
             "_schedule_meta_size == num_sms / num_kv_multicast + 1 and _meta_info_size == 2")
     _expect(not clean_logits, "not is_context_lens_2d")
-    _expect(logits_dtype in (None, torch.float32), "logits_dtype == torch::kFloat32")
+    _expect(logits_dtype in (None, torch.float32, torch.bfloat16),
+            "logits_dtype == torch::kFloat32 or logits_dtype == torch::kBFloat16")
     if indices is not None:
         _expect(next_n == 1 and tuple(indices.shape) == (b,), "varlen: next_n == 1, indices [batch_size]")
     if mx:
@@ -133,7 +134,8 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     w = weights.float().view(b, next_n, h, 1)
     # DeepGEMM scores every row of a request up to its last row's length.
     scored = torch.minimum(context_lens[:, -1].long().clamp(0, cols), first_bad * blk)
-    storage = padded_empty((b * next_n, -(-max_context_len // 256) * 256), torch.float32, q_fp.device)
+    dtype = torch.float32 if logits_dtype is None else logits_dtype
+    storage = padded_empty((b * next_n, -(-max_context_len // 256) * 256), dtype, q_fp.device)
     logits = storage[:, :max_context_len]
     step = max(1, (1 << 26) // max(next_n * h * t, 1))
     for b0 in range(0, b, step):
