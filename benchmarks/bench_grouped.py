@@ -13,7 +13,8 @@ N 4096, K 7168; a per token, b per block (DeepGEMM's recipe).
   jnp          plain jax.numpy: dequantise to bf16 (weights every call, as when they are stored
                in FP8), then one batched dot over experts (contiguous: rows gathered into
                [G, max rows, K] and scattered back; masked: all Mmax rows of every expert)
-ratio = torch time / jax_dg time (>= 1: jax_dg as fast); TFLOP/s counts valid rows only.
+ratio = torch time / jax_dg time (>= 1: jax_dg as fast); TFLOP/s counts valid rows only. torch,
+jax_dg and raw are timed interleaved (timing.compare, best of 7).
 `same` checks once that jax_dg's defined rows are bitwise equal to deep_gemm's; `jnp diff` is
 calc_diff(jnp, jax_dg) (bf16 operands vs FP8 kernel: ~1e-6 expected).
 """
@@ -94,10 +95,12 @@ def expert_rows(rng, g, total):
 
 
 def time_all(row, torch_call, jax_call, raw_call, plain_call, flops):
+    """torch, jax_dg and raw timed interleaved (every repeat runs each in turn: the same host
+    state for all three); jnp, ~3-5x slower, on its own with fewer calls."""
     n = iterations(flops)
-    row["torch_us"] = timing.per_call_us(torch_call, timing.torch_sync, n)
-    row["jax_dg_us"] = timing.per_call_us(jax_call, timing.jax_sync, n)
-    row["raw_us"] = timing.per_call_us(raw_call, timing.jax_sync, n)
+    t = timing.compare({"torch": (torch_call, timing.torch_sync), "jax_dg": (jax_call, timing.jax_sync),
+                        "raw": (raw_call, timing.jax_sync)}, n, repeats=7)
+    row["torch_us"], row["jax_dg_us"], row["raw_us"] = t["torch"], t["jax_dg"], t["raw"]
     row["jnp_us"] = timing.per_call_us(plain_call, timing.jax_sync, max(3, n // 4), repeats=3, warmup=1)
     row["torch/jax_dg"] = row["torch_us"] / row["jax_dg_us"]
     row["torch/raw"] = row["torch_us"] / row["raw_us"]
