@@ -32,15 +32,19 @@ def per_call_us(run: Callable[[], object], sync: Callable[[object], None], n: in
 
 def compare(contenders: dict, n: int, repeats: int = 5, warmup: int = 3) -> dict:
     """Per-call microseconds of each contender {name: (run, sync)}, timed interleaved: every
-    repeat times each contender in turn (n back-to-back calls, one sync), best repeat kept."""
+    repeat times each contender in turn (n back-to-back calls, one sync; the order rotates from
+    repeat to repeat), best repeat kept."""
     best = {name: float("inf") for name in contenders}
     for name, (run, sync) in contenders.items():
         out = None
         for _ in range(warmup):
             out = run()
         sync(out)
-    for _ in range(repeats):
-        for name, (run, sync) in contenders.items():
+    names = list(contenders)
+    for r in range(repeats):
+        # the order rotates each repeat: no contender always runs first (after the sync gap)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run, sync = contenders[name]
             t0 = time.perf_counter()
             for _ in range(n):
                 out = run()
