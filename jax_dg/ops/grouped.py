@@ -154,6 +154,7 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 
 
 def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
+    clean = ck.static_bool(clean, "clean")
     ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
     if clean:
         # Ids outside [0, G) become padding: DeepGEMM would read past b for ids >= G.
@@ -253,6 +254,7 @@ M_GROUPED_BF16_MASKED = Op(
 
 
 def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
+    clean = ck.static_bool(clean, "clean")
     expected_m = ck.static_int(expected_m, "expected_m", 1)
     ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
     if clean:

@@ -191,7 +191,8 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
        (a separate kernel in the full form). Valid positions are identical either way.
     """
     arrays, width = mqa_arguments("mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits), stride_align=stride_align())
+    static = dict(max_seqlen_k=width, clean_logits=Checker("mqa_logits").static_bool(clean_logits, "clean_logits"),
+                  stride_align=stride_align())
     _mqa_logits_rule(*arrays, **static)
     shape = (arrays[0].shape[0], width or arrays[1].shape[0])
     if 0 in shape or arrays[1].shape[0] == 0:  # nothing to score: every position is invalid
@@ -423,5 +424,5 @@ def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks: i
     sbk = _check_sparse_block_kv(ck, sparse_block_kv)
     (logits,) = FP8_FP4_SPARSE_MQA_LOGITS(qv, qs, kvv, kvs, weights, metadata,
                                           num_max_sparse_blocks=nmsb, sparse_block_kv=sbk,
-                                          clean_logits=bool(clean_logits))
+                                          clean_logits=ck.static_bool(clean_logits, "clean_logits"))
     return logits
