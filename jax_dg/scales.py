@@ -37,7 +37,7 @@ F32 = jnp.float32
 def get_tma_aligned_size(x: int, element_size: int) -> int:
     """DeepGEMM's TMA alignment: x rounded up to 16 bytes' worth of elements."""
     ck = Checker("get_tma_aligned_size")
-    x = ck.static_int(x, "x", minimum=0)
+    x = ck.dim(x, "x", minimum=0)
     element_size = ck.static_int(element_size, "element_size", minimum=1)
     ck.that(16 % element_size == 0, "element_size", "must divide 16", element_size)
     return align(x, 16 // element_size)
@@ -48,8 +48,9 @@ def mn_major_logical(physical: jax.Array, mn: int) -> jax.Array:
     ck = Checker("mn_major_logical")
     ck.array(physical, "physical")
     ck.that(len(physical.shape) >= 2, "physical", "must be [..., K', align(MN, 4)]", tuple(physical.shape))
-    mn = ck.static_int(mn, "mn", minimum=0)
-    ck.that(mn <= physical.shape[-1], "mn", f"must be <= the buffer's last dim {physical.shape[-1]}", mn)
+    mn = ck.dim(mn, "mn", minimum=0)
+    if isinstance(mn, int) and isinstance(physical.shape[-1], int):
+        ck.that(mn <= physical.shape[-1], "mn", f"must be <= the buffer's last dim {physical.shape[-1]}", mn)
     return physical[..., :mn].swapaxes(-1, -2)
 
 

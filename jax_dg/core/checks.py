@@ -123,6 +123,12 @@ class Checker:
             self.fail(arg, f"must be a tuple of {form}", repr(v))
         return tuple(int(r) for r in v)
 
+    def dim(self, v: Any, arg: str, minimum: int | None = None) -> Any:
+        """A static int size, or a symbolic dimension (jax.export), which stays symbolic."""
+        if type(v).__module__.startswith("jax") and not hasattr(v, "shape"):   # not a tracer
+            return v
+        return self.static_int(v, arg, minimum)
+
     def static_int(self, v: Any, arg: str, minimum: int | None = None) -> int:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             self.fail(arg, "must be a static Python int (it sizes an output)", type(v).__name__)
