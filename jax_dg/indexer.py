@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core.checks import ArgumentError
+from jax_dg.core.checks import Checker
 from jax_dg.quant import cast_with_scale, scale_for
 
 
@@ -24,8 +24,10 @@ def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.A
     sf = max(amax of the row, 1e-4) / 448 (rounded up to a power of two with use_ue8m0);
     values = x * (1 / sf) cast to e4m3, exactly as DeepGEMM's per_custom_dims_cast_to_fp8(x, (0,)).
     """
-    if x.ndim < 1:
-        raise ArgumentError(f"per_row_cast_to_fp8: `x` must have a row dimension, got shape {x.shape}")
+    ck = Checker("per_row_cast_to_fp8")
+    ck.floating(x, "x")
+    ck.that(len(x.shape) >= 1, "x", "must have a row dimension", tuple(x.shape))
+    use_ue8m0 = ck.static_bool(use_ue8m0, "use_ue8m0")
     xf = x.astype(jnp.float32)
     axes = tuple(range(1, x.ndim))
     amax = jnp.abs(xf).max(axis=axes, keepdims=True) if axes else jnp.abs(xf)
@@ -39,6 +41,9 @@ def fold_q_scale(weights: jax.Array, q_scale: jax.Array) -> jax.Array:
     The scale must be positive (any FP8 quantiser's is). It is exact when the scale is a power
     of two (UE8M0), otherwise one float32 rounding per weight.
     """
+    ck = Checker("fold_q_scale")
+    ck.floating(weights, "weights")
+    ck.floating(q_scale, "q_scale")
     q_scale = q_scale.astype(jnp.float32)
     if q_scale.ndim == 1:
         q_scale = q_scale[:, None]
@@ -52,8 +57,11 @@ def causal_ks_ke(num_queries: int, num_keys: int, *, include_self: bool = True):
     with include_self=False (DeepGEMM's test mask `ke = arange(S) + SK - S`, whose first row is
     empty when S == SK).
     """
-    if num_queries > num_keys:
-        raise ArgumentError(f"causal_ks_ke: `num_queries` ({num_queries}) must be <= `num_keys` ({num_keys})")
+    ck = Checker("causal_ks_ke")
+    num_queries = ck.static_int(num_queries, "num_queries", minimum=0)
+    num_keys = ck.static_int(num_keys, "num_keys", minimum=0)
+    include_self = ck.static_bool(include_self, "include_self")
+    ck.that(num_queries <= num_keys, "num_queries", f"must be <= `num_keys` ({num_keys})", num_queries)
     ks = jnp.zeros((num_queries,), jnp.int32)
     ke = jnp.arange(num_queries, dtype=jnp.int32) + (num_keys - num_queries + int(include_self))
     return ks, ke
@@ -69,11 +77,20 @@ def varlen_causal_ks_ke(cu_seqlens_q: jax.Array, num_queries: int, cu_seqlens_k:
     queries and Lk keys sees keys [cu_k[b], cu_k[b] + Lk - Lq + j + 1) (no `+ 1` without
     include_self). Rows past cu_seqlens_q[-1] (padding) get the empty range ks = ke = 0.
     """
-    cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
-    cu_k = cu_q if cu_seqlens_k is None else jnp.asarray(cu_seqlens_k, jnp.int32)
-    if cu_q.ndim != 1 or cu_k.shape != cu_q.shape:
-        raise ArgumentError(f"varlen_causal_ks_ke: `cu_seqlens_q` and `cu_seqlens_k` must be 1-D [B+1] "
-                         f"of one shape, got {cu_q.shape} and {cu_k.shape}")
+    ck = Checker("varlen_causal_ks_ke")
+    num_queries = ck.static_int(num_queries, "num_queries", minimum=0)
+    include_self = ck.static_bool(include_self, "include_self")
+
+    def offsets(cu, arg):   # lists allowed; floats and bools are not silently made ints
+        cu = jnp.asarray(cu) if isinstance(cu, (list, tuple)) else cu
+        ck.integer(cu, arg)
+        ck.that(cu.ndim == 1 and cu.shape[0] >= 1, arg, "must be 1-D [B+1]",
+                tuple(cu.shape))
+        return cu.astype(jnp.int32)
+    cu_q = offsets(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_q if cu_seqlens_k is None else offsets(cu_seqlens_k, "cu_seqlens_k")
+    ck.that(cu_k.shape == cu_q.shape, "cu_seqlens_k", f"must have cu_seqlens_q's shape {cu_q.shape}",
+            cu_k.shape)
     rows = jnp.arange(num_queries, dtype=jnp.int32)
     b = jnp.clip(jnp.searchsorted(cu_q, rows, side="right") - 1, 0, cu_q.shape[0] - 2)
     j = rows - cu_q[b]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.core.checks import ArgumentError, Checker
+from jax_dg.core.checks import Checker
 from jax_dg.reference.paged_mqa import SCALE_BYTES, split_kv_cache
 from jax_dg.reference.quant import FP8, cast_with_scale, scale_for
 
@@ -92,21 +92,42 @@ def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:
     return cast_with_scale(x, sf), sf[..., 0]
 
 
-@jax.jit
+def _check_keys(ck: Checker, k, ndim: int, layout: str) -> None:
+    ck.floating(k, "k")
+    ck.ndim(k, "k", ndim, layout)
+
+
+def _check_table(ck: Checker, block_tables) -> None:
+    ck.integer(block_tables, "block_tables")
+    ck.ndim(block_tables, "block_tables", 2, "[B, max_blocks]")
+
+
 def quantize_kv_cache(k: jax.Array) -> jax.Array:
     """Unquantised keys [num_blocks, block_size, D] (or [..., block_size, 1, D]) -> the FP8
     paged cache uint8 [num_blocks, block_size, 1, D + 4] (DeepGEMM's `kv_cache_cast_to_fp8`)."""
+    ck = Checker("quantize_kv_cache")
+    ck.floating(k, "k")
     if k.ndim == 4 and k.shape[2] == 1:
         k = k[:, :, 0]
-    if k.ndim != 3:
-        raise ArgumentError(f"quantize_kv_cache: `k` must be [num_blocks, block_size, D], got {k.shape}")
-    return pack_kv_cache(*_quantize_rows(k))
+    ck.ndim(k, "k", 3, "[num_blocks, block_size, D]")
+    return _quantize_kv_cache(k)
 
 
 @jax.jit
+def _quantize_kv_cache(k: jax.Array) -> jax.Array:
+    return pack_kv_cache(*_quantize_rows(k))
+
+
 def dequantize_kv_cache(kv_cache: jax.Array, block_tables: jax.Array | None = None) -> jax.Array:
     """float32 keys of an FP8 paged cache: [num_blocks, block_size, D], or with `block_tables`
     [B, max_blocks]: each sequence's keys gathered in logical order, [B, max_blocks * block_size, D]."""
+    if block_tables is not None:
+        _check_table(Checker("dequantize_kv_cache"), block_tables)
+    return _dequantize_kv_cache(kv_cache, block_tables)
+
+
+@jax.jit
+def _dequantize_kv_cache(kv_cache: jax.Array, block_tables: jax.Array | None) -> jax.Array:
     values, scales = unpack_kv_cache(kv_cache)
     k = values.astype(jnp.float32) * scales[..., None]
     if block_tables is None:
@@ -115,14 +136,20 @@ def dequantize_kv_cache(kv_cache: jax.Array, block_tables: jax.Array | None = No
     return k[block_tables].reshape(b, w * k.shape[1], k.shape[2])
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "block_size"))
 def kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
     """Quantises key rows [N, D] into a fresh paged cache; row i goes to cache slot `slots[i]`
     (= physical block * block_size + offset in the block). Slots outside the cache are dropped;
     slots no row writes hold zeros (value 0, scale 0)."""
-    if k.ndim != 2 or slots.shape != k.shape[:1]:
-        raise ArgumentError(f"kv_cache_from_rows: `k` must be [N, D] and `slots` [N], got "
-                            f"{k.shape} and {slots.shape}")
+    ck = Checker("kv_cache_from_rows")
+    _check_keys(ck, k, 2, "[N, D]")
+    ck.integer(slots, "slots")
+    ck.shape(slots, "slots", k.shape[:1], "[N]")
+    return _kv_cache_from_rows(k, slots, ck.static_int(num_blocks, "num_blocks", minimum=1),
+                               ck.static_int(block_size, "block_size", minimum=1))
+
+
+@functools.partial(jax.jit, static_argnames=("num_blocks", "block_size"))
+def _kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
     d = k.shape[1]
     values, sf = _quantize_rows(k)
     n = num_blocks * block_size
@@ -134,16 +161,22 @@ def kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_si
                          s.reshape(num_blocks, block_size))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "seq_len"))
 def slot_mapping(block_tables: jax.Array, block_size: int, seq_len: int) -> jax.Array:
     """int32 [B, seq_len]: the cache slot of token t of sequence b,
     `block_tables[b, t // block_size] * block_size + t % block_size`."""
+    ck = Checker("slot_mapping")
+    _check_table(ck, block_tables)
+    return _slot_mapping(block_tables, ck.static_int(block_size, "block_size", minimum=1),
+                         ck.static_int(seq_len, "seq_len", minimum=0))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "seq_len"))
+def _slot_mapping(block_tables: jax.Array, block_size: int, seq_len: int) -> jax.Array:
     t = jnp.arange(seq_len, dtype=jnp.int32)
     blocks = block_tables[:, jnp.minimum(t // block_size, block_tables.shape[1] - 1)]
     return blocks * block_size + t % block_size
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks"))
 def kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: int, num_blocks: int,
                             context_lens: jax.Array | None = None) -> jax.Array:
     """Quantises per-sequence keys [B, S, D] into a paged cache through `block_tables`.
@@ -151,14 +184,26 @@ def kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: i
     Token t of sequence b lands in logical block t // block_size of that sequence; tokens at
     t >= context_lens[b] (when given) or beyond the table are not written.
     """
+    ck = Checker("kv_cache_from_sequences")
+    _check_keys(ck, k, 3, "[B, S, D]")
+    _check_table(ck, block_tables)
+    if context_lens is not None:
+        ck.integer(context_lens, "context_lens")
+    return _kv_cache_from_sequences(k, block_tables, ck.static_int(block_size, "block_size", minimum=1),
+                                    ck.static_int(num_blocks, "num_blocks", minimum=1), context_lens)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks"))
+def _kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: int, num_blocks: int,
+                             context_lens: jax.Array | None = None) -> jax.Array:
     b, s, d = k.shape
-    slots = slot_mapping(block_tables, block_size, s)
+    slots = _slot_mapping(block_tables, block_size, s)
     t = jnp.arange(s, dtype=jnp.int32)[None, :]
     keep = t < block_tables.shape[1] * block_size
     if context_lens is not None:
         keep = keep & (t < context_lens.reshape(b, -1)[:, -1:])
     slots = jnp.where(keep, slots, -1)
-    return kv_cache_from_rows(k.reshape(b * s, d), slots.reshape(-1), num_blocks, block_size)
+    return _kv_cache_from_rows(k.reshape(b * s, d), slots.reshape(-1), num_blocks, block_size)
 
 
 def build_block_tables(context_lens, block_size: int, *, num_blocks: int | None = None,
@@ -177,19 +222,21 @@ def build_block_tables(context_lens, block_size: int, *, num_blocks: int | None 
     ck = Checker("build_block_tables")
     block_size = ck.static_int(block_size, "block_size", minimum=1)
     ctx = np.asarray(jax.device_get(context_lens))
+    ck.that(ctx.dtype != np.bool_ and np.issubdtype(ctx.dtype, np.integer), "context_lens",
+            "must hold integer lengths", ctx.dtype.name)   # before astype would truncate floats
     if ctx.ndim == 2:
         ctx = ctx[:, -1]
-    if ctx.ndim != 1:
-        raise ArgumentError(f"build_block_tables: `context_lens` must be [B] or [B, next_n], got {ctx.shape}")
+    ck.that(ctx.ndim == 1, "context_lens", "must be [B] or [B, next_n]", ctx.shape)
     need = -(-np.maximum(ctx.astype(np.int64), 0) // block_size)
     total = int(need.sum())
-    num_blocks = max(total, 1) if num_blocks is None else int(num_blocks)
-    if num_blocks < max(total, 1):
-        raise ArgumentError(f"build_block_tables: `num_blocks` must be >= the {total} blocks the "
-                            f"sequences need, got {num_blocks}")
-    w = max(int(need.max(initial=0)), 1) if width is None else int(width)
-    if w < int(need.max(initial=0)):
-        raise ArgumentError(f"build_block_tables: `width` must be >= {int(need.max())}, got {w}")
+    num_blocks = max(total, 1) if num_blocks is None else ck.static_int(num_blocks, "num_blocks")
+    ck.that(num_blocks >= max(total, 1), "num_blocks", f"must be >= the {total} blocks the "
+            "sequences need", num_blocks)
+    longest = int(need.max(initial=0))
+    w = max(longest, 1) if width is None else ck.static_int(width, "width")
+    ck.that(w >= max(longest, 1), "width", f"must be >= {max(longest, 1)}", w)
+    if even_width is not None:
+        ck.static_bool(even_width, "even_width")
     if (block_size == 32 if even_width is None else even_width) and w % 2:
         w += 1
     if key is None:

@@ -10,43 +10,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.core.checks import ArgumentError, Checker
+from jax_dg.core.checks import Checker
 from jax_dg.reference import quant as ref
-from jax_dg.reference.quant import FP8, FP8_MAX, cast_with_scale, ceil_to_ue8m0, scale_for  # noqa: F401
+from jax_dg.reference.quant import FP8, FP8_MAX, cast_with_scale, scale_for  # noqa: F401
 
 __all__ = ["FP8", "FP8_MAX", "ceil_to_ue8m0", "pack_ue8m0_to_int", "scale_for", "cast_with_scale",
            "per_token_cast_to_fp8", "per_block_cast_to_fp8", "calc_diff"]
 
 
+def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
+    """Rounds |x| (float32) up to the next power of two, as DeepGEMM's UE8M0 scales do."""
+    Checker("ceil_to_ue8m0").floating(x, "x")
+    return ref.ceil_to_ue8m0(x)
+
+
 def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
     """Packs 4 power-of-two float32 scales (last axis) into one int32 of exponent bytes."""
-    if x.dtype != jnp.float32 or x.shape[-1] % 4:
-        raise ArgumentError(f"pack_ue8m0_to_int: `x` must be float32 with a last axis divisible "
-                            f"by 4, got {x.dtype}{list(x.shape)}")
+    ck = Checker("pack_ue8m0_to_int")
+    ck.dtype(x, "x", jnp.float32)
+    ck.that(len(x.shape) >= 1 and x.shape[-1] % 4 == 0, "x", "must have a last axis divisible by 4",
+            tuple(x.shape))
     return ref.pack_ue8m0_to_int(x)
 
 
-def _check_cast(name: str, x, use_ue8m0, gran_k) -> int:
+def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
     ck = Checker(name)
-    ck.array(x, "x")
-    ck.that(jnp.issubdtype(x.dtype, jnp.floating), "x", "must have a floating dtype",
-            jnp.dtype(x.dtype).name)
+    ck.floating(x, "x")
     ck.ndim(x, "x", 2, "[m, n]")
-    ck.that(isinstance(use_ue8m0, (bool, np.bool_)), "use_ue8m0", "must be a Python bool",
-            type(use_ue8m0).__name__)
-    return ck.static_int(gran_k, "gran_k", minimum=1)
+    return ck.static_bool(use_ue8m0, "use_ue8m0"), ck.static_int(gran_k, "gran_k", minimum=1)
 
 
 def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
-    gran_k = _check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k)
-    return ref.per_token_cast_to_fp8(x, bool(use_ue8m0), gran_k)
+    return ref.per_token_cast_to_fp8(x, *_check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k))
 
 
 def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
-    gran_k = _check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k)
-    return ref.per_block_cast_to_fp8(x, bool(use_ue8m0), gran_k)
+    return ref.per_block_cast_to_fp8(x, *_check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k))
 
 
 def calc_diff(x, y):
@@ -60,7 +61,12 @@ def calc_diff(x, y):
         x, y = jnp.asarray(x).astype(dt), jnp.asarray(y).astype(dt)
         den = (x * x + y * y).sum()
         return jnp.where(den == 0, 0.0, 1.0 - 2.0 * (x * y).sum() / jnp.where(den == 0, 1, den))
-    x = np.asarray(x).astype(np.float64).ravel()
-    y = np.asarray(y).astype(np.float64).ravel()
+    x, y = np.asarray(x), np.asarray(y)
+    ck = Checker("calc_diff")
+    for v, arg in ((x, "x"), (y, "y")):   # None or a string would become nan or a TypeError
+        ck.that(jnp.issubdtype(v.dtype, jnp.number) or v.dtype == np.bool_, arg,
+                "must be a numeric array", v.dtype.name)
+    ck.that(x.size == y.size, "y", f"must have x's {x.size} elements", y.size)
+    x, y = x.astype(np.float64).ravel(), y.astype(np.float64).ravel()
     den = float(np.dot(x, x) + np.dot(y, y))  # dots: no temporaries the size of the inputs
     return 0.0 if den == 0 else 1.0 - 2.0 * float(np.dot(x, y)) / den

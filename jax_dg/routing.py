@@ -104,9 +104,11 @@ def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = 
     default device's family: SM100 256; SM120 64 when the per-group m <= 64, else 128; SM90,
     other GPUs and CPU 128.
     """
-    if num_groups is not None and num_groups <= 0:
-        raise ArgumentError(f"get_theoretical_mk_alignment_for_contiguous_layout: `num_groups` must be "
-                            f"positive, got {num_groups}")
+    ck = Checker("get_theoretical_mk_alignment_for_contiguous_layout")
+    if expected_m is not None:
+        expected_m = ck.static_int(expected_m, "expected_m", minimum=0)
+    if num_groups is not None:
+        num_groups = ck.static_int(num_groups, "num_groups", minimum=1)
     fn = _dg("get_theoretical_mk_alignment_for_contiguous_layout")
     if fn is not None:
         if num_groups is None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import device
-from jax_dg.core.checks import ArgumentError, Checker
+from jax_dg.core.checks import Checker
 from jax_dg.quant import ceil_to_ue8m0, pack_ue8m0_to_int
 
 __all__ = [
@@ -36,13 +36,21 @@ F32 = jnp.float32
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:
     """DeepGEMM's TMA alignment: x rounded up to 16 bytes' worth of elements."""
-    if 16 % element_size:
-        raise ArgumentError(f"get_tma_aligned_size: `element_size` must divide 16, got {element_size}")
+    ck = Checker("get_tma_aligned_size")
+    x = ck.dim(x, "x", minimum=0)
+    element_size = ck.static_int(element_size, "element_size", minimum=1)
+    ck.that(16 % element_size == 0, "element_size", "must divide 16", element_size)
     return align(x, 16 // element_size)
 
 
 def mn_major_logical(physical: jax.Array, mn: int) -> jax.Array:
     """The logical [..., MN, K'] view of an MN-major physical buffer [..., K', align(MN, 4)]."""
+    ck = Checker("mn_major_logical")
+    ck.array(physical, "physical")
+    ck.that(len(physical.shape) >= 2, "physical", "must be [..., K', align(MN, 4)]", tuple(physical.shape))
+    mn = ck.dim(mn, "mn", minimum=0)
+    if isinstance(mn, int) and isinstance(physical.shape[-1], int):
+        ck.that(mn <= physical.shape[-1], "mn", f"must be <= the buffer's last dim {physical.shape[-1]}", mn)
     return physical[..., :mn].swapaxes(-1, -2)
 
 
@@ -147,15 +155,18 @@ def transform_sf_into_required_layout(sf: jax.Array, mn: int, k: int, recipe, nu
     when it is not a CUDA GPU). Other combinations raise ArgumentError, as DeepGEMM does.
     """
     ck = Checker("transform_sf_into_required_layout")
-    recipe = tuple(int(r) for r in recipe)
+    recipe = ck.recipe(recipe, two=True)
+    mn = ck.static_int(mn, "mn", minimum=0)
+    k = ck.static_int(k, "k", minimum=0)
+    disable_ue8m0_cast = ck.static_bool(disable_ue8m0_cast, "disable_ue8m0_cast")
+    if num_groups is not None:
+        num_groups = ck.static_int(num_groups, "num_groups", minimum=1)
     if len(recipe) == 3:
         ck.that(is_sfa is not None, "is_sfa", "must be given with a 3-element recipe")
-        gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
-    elif len(recipe) == 2:
+        gran_mn, gran_k = (recipe[0] if ck.static_bool(is_sfa, "is_sfa") else recipe[1]), recipe[2]
+    else:
         ck.that(is_sfa is None, "is_sfa", "must be None with a 2-element recipe (gran_mn, gran_k)")
         gran_mn, gran_k = recipe
-    else:
-        ck.fail("recipe", "must be (gran_m, gran_n, gran_k) or (gran_mn, gran_k)", recipe)
     arch = arch or _default_arch()
     ck.that(arch in ("sm90", "sm100", "sm120"), "arch", "must be 'sm90', 'sm100' or 'sm120'", arch)
     ck.dtype(sf, "sf", F32, jnp.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_dg
@@ -42,7 +43,7 @@ def test_quantisers_take_an_empty_batch_and_reject_integers():
 def test_recipe_must_be_three_ints(recipe):
     a = jax_dg.per_token_cast_to_fp8(jnp.ones((16, 128)))
     b = jax_dg.per_block_cast_to_fp8(jnp.ones((16, 128)))
-    with pytest.raises(jax_dg.ArgumentError, match="`recipe` must be a tuple of three ints"):
+    with pytest.raises(jax_dg.ArgumentError, match="`recipe` must be a tuple of three positive ints"):
         jax_dg.fp8_gemm_nt(a, b, recipe=recipe)
 
 
@@ -90,3 +91,117 @@ def test_mega_mhc_statics_must_be_numbers(keys):
 def test_block_tables_need_a_positive_block_size(block_size):
     with pytest.raises(jax_dg.ArgumentError, match="build_block_tables: `block_size` must"):
         paged.build_block_tables([3, 70], block_size)
+
+
+# --- siblings of the fuzz's defects: the other quantisers, static args once read with int(),
+# float() or bool(), and integer arrays converted before they were checked ---------------------
+
+X = jnp.ones((4, 128))
+I4 = jnp.zeros((4,), jnp.int32)
+BT = jnp.zeros((2, 2), jnp.int32)
+
+
+@pytest.mark.parametrize("bad", [None, [1.0, 2.0], "x", 3])
+@pytest.mark.parametrize("name,call", [
+    ("ceil_to_ue8m0", lambda v: jax_dg.ceil_to_ue8m0(v)),
+    ("pack_ue8m0_to_int", lambda v: jax_dg.pack_ue8m0_to_int(v)),
+    ("per_row_cast_to_fp8", lambda v: jax_dg.per_row_cast_to_fp8(v)),
+    ("quantize_kv_cache", lambda v: paged.quantize_kv_cache(v)),
+    ("fold_q_scale", lambda v: jax_dg.fold_q_scale(jnp.ones((4, 8)), v)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_other_quantisers_name_a_non_array(name, call, bad):
+    with pytest.raises(jax_dg.ArgumentError, match=rf"{name}: `\w+` must"):
+        call(bad)
+
+
+@pytest.mark.parametrize("call,arg", [
+    (lambda: jax_dg.per_row_cast_to_fp8(jnp.ones((4, 128), jnp.int32)), "x"),
+    (lambda: jax_dg.ceil_to_ue8m0(jnp.ones((4,), jnp.int32)), "x"),
+    (lambda: jax_dg.pack_ue8m0_to_int(jnp.ones((4, 6))), "x"),
+    (lambda: paged.quantize_kv_cache(jnp.ones((2, 64, 128), jnp.int32)), "k"),
+    (lambda: jax_dg.calc_diff(None, None), "x"),
+    (lambda: jax_dg.calc_diff(np.ones(4), np.ones(5)), "y"),
+])
+def test_other_quantisers_name_a_bad_array(call, arg):
+    with pytest.raises(jax_dg.ArgumentError, match=f"`{arg}` must"):
+        call()
+
+
+def _mqa_args():
+    q = (jnp.zeros((4, 32, 64), FP8), None)
+    kv = (jnp.zeros((8, 64), FP8), jnp.ones((8,), F32))
+    return q, kv, jnp.ones((4, 32), F32), I4, I4 + 8
+
+
+W2 = jnp.ones((2, 64, 64), BF16)
+
+
+@pytest.mark.parametrize("flag", ["no", 1, 0.5])
+@pytest.mark.parametrize("arg,call", [
+    ("clean", lambda f: jax_dg.m_grouped_bf16_gemm_nt_contiguous(
+        jnp.ones((128, 64), BF16), W2, jnp.zeros((128,), jnp.int32), clean=f)),
+    ("clean", lambda f: jax_dg.m_grouped_bf16_gemm_nt_masked(
+        jnp.ones((2, 128, 64), BF16), W2, jnp.zeros((2,), jnp.int32), 4, clean=f)),
+    ("clean_logits", lambda f: jax_dg.mqa_logits(*_mqa_args(), clean_logits=f)),
+    ("use_cublaslt", lambda f: jax_dg.einsum("bhr,hdr->bhd", jnp.ones((4, 2, 64), BF16),
+                                             jnp.ones((2, 64, 64), BF16), use_cublaslt=f)),
+    ("use_ue8m0", lambda f: jax_dg.per_row_cast_to_fp8(X, use_ue8m0=f)),
+    ("include_self", lambda f: jax_dg.causal_ks_ke(4, 8, include_self=f)),
+    ("include_self", lambda f: jax_dg.varlen_causal_ks_ke(jnp.array([0, 4]), 4, include_self=f)),
+    ("even_width", lambda f: paged.build_block_tables([3, 70], 64, even_width=f)),
+    ("disable_ue8m0_cast", lambda f: jax_dg.transform_sf_into_required_layout(
+        jnp.ones((128, 2)), 128, 256, (1, 128), disable_ue8m0_cast=f)),
+])
+def test_static_flags_must_be_bools(arg, call, flag):
+    with pytest.raises(jax_dg.ArgumentError, match=f"`{arg}` must be a Python bool"):
+        call(flag)
+
+
+@pytest.mark.parametrize("bad", [1.5, "8", None])
+@pytest.mark.parametrize("arg,call", [
+    ("next_n", lambda v: jax_dg.native_next_n_supported(v)),
+    ("x", lambda v: jax_dg.get_tma_aligned_size(v, 4)),
+    ("element_size", lambda v: jax_dg.get_tma_aligned_size(8, v)),
+    ("mn", lambda v: jax_dg.transform_sf_into_required_layout(jnp.ones((128, 2)), v, 256, (1, 128))),
+    ("mn", lambda v: jax_dg.mn_major_logical(jnp.ones((2, 8)), v)),
+    ("num_groups", lambda v: jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(8, v or 2.5)),
+    ("expected_m", lambda v: jax_dg.get_theoretical_mk_alignment_for_contiguous_layout(v or 2.5)),
+    ("num_queries", lambda v: jax_dg.causal_ks_ke(v, 8)),
+    ("num_queries", lambda v: jax_dg.varlen_causal_ks_ke(jnp.array([0, 4]), v)),
+    ("width", lambda v: paged.build_block_tables([3, 70], 64, width=v or 2.5)),
+    ("num_blocks", lambda v: paged.build_block_tables([3, 70], 64, num_blocks=v or 2.5)),
+    ("block_size", lambda v: paged.slot_mapping(BT, v, 8)),
+    ("seq_len", lambda v: paged.slot_mapping(BT, 64, v)),
+    ("num_blocks", lambda v: paged.kv_cache_from_rows(X, I4, v, 64)),
+    ("block_size", lambda v: paged.kv_cache_from_sequences(jnp.ones((2, 8, 128)), BT, v, 4)),
+])
+def test_static_ints_are_never_truncated(arg, call, bad):
+    with pytest.raises(jax_dg.ArgumentError, match=f"`{arg}` must be a static Python int"):
+        call(bad)
+
+
+@pytest.mark.parametrize("recipe", [(1, 128.5), 5, "x", (1, 0), (1, 128, 128, 1)])
+def test_transform_sf_recipe_must_be_ints(recipe):
+    with pytest.raises(jax_dg.ArgumentError, match="`recipe` must be a tuple of two or three"):
+        jax_dg.transform_sf_into_required_layout(jnp.ones((128, 2)), 128, 256, recipe)
+
+
+@pytest.mark.parametrize("v", [None, "1.0", True])
+def test_gate_routed_scaling_factor_must_be_a_number(v):
+    with pytest.raises(jax_dg.ArgumentError, match="`routed_scaling_factor` must be a static Python number"):
+        jax_dg.bf16_mega_gate(jnp.ones((4, 256), BF16), jnp.ones((8, 256), BF16), 2,
+                              scoring_func="sigmoid", routed_scaling_factor=v, ep_rank=0)
+
+
+@pytest.mark.parametrize("dtype", [F32, bool])
+@pytest.mark.parametrize("arg,call", [
+    ("cu_seqlens_q", lambda d: jax_dg.varlen_causal_ks_ke(jnp.array([0, 3, 8]).astype(d), 8)),
+    ("cu_seqlens_k", lambda d: jax_dg.varlen_causal_ks_ke(jnp.array([0, 8]), 8, jnp.array([0, 8]).astype(d))),
+    ("context_lens", lambda d: paged.build_block_tables(np.array([3, 70]).astype(d), 64)),
+    ("block_tables", lambda d: paged.slot_mapping(BT.astype(d), 64, 8)),
+    ("block_tables", lambda d: paged.dequantize_kv_cache(jnp.zeros((2, 64, 1, 132), jnp.uint8), BT.astype(d))),
+    ("slots", lambda d: paged.kv_cache_from_rows(X, I4.astype(d), 2, 64)),
+])
+def test_integer_arrays_are_checked_before_conversion(arg, call, dtype):
+    with pytest.raises(jax_dg.ArgumentError, match=f"`{arg}` must have an integer dtype|`{arg}` must hold integer"):
+        call(dtype)

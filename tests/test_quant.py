@@ -22,8 +22,8 @@ def dg_per_token(x, use_ue8m0, gran_k=128):
     pn = -(-n // gran_k) * gran_k
     xp = torch.zeros((m, pn), dtype=x.dtype)
     xp[:, :n] = x
-    xv = xp.view(m, -1, gran_k)
-    sf = xv.abs().float().amax(dim=2).view(m, -1).clamp(1e-4) / 448.0
+    xv = xp.view(m, pn // gran_k, gran_k)   # explicit sizes (DeepGEMM's -1 fails for m = 0)
+    sf = xv.abs().float().amax(dim=2).view(m, pn // gran_k).clamp(1e-4) / 448.0
     sf = dg_ceil_to_ue8m0(sf) if use_ue8m0 else sf
     values = (xv * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, pn)[:, :n].contiguous()
     return values, sf
@@ -33,7 +33,7 @@ def dg_per_block(x, use_ue8m0):
     m, n = x.shape
     xp = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
     xp[:m, :n] = x
-    xv = xp.view(-1, 128, xp.size(1) // 128, 128)
+    xv = xp.view(xp.size(0) // 128, 128, xp.size(1) // 128, 128)
     sf = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / 448.0
     sf = dg_ceil_to_ue8m0(sf) if use_ue8m0 else sf
     values = (xv * (1.0 / sf)).to(torch.float8_e4m3fn)
@@ -51,7 +51,7 @@ def jnp_bits(x):
 
 @pytest.mark.parametrize("use_ue8m0", [False, True])
 @pytest.mark.parametrize("shape,dtype", [((64, 512), jnp.bfloat16), ((33, 200), jnp.float32),
-                                         ((1, 7168), jnp.bfloat16)])
+                                         ((1, 7168), jnp.bfloat16), ((0, 256), jnp.bfloat16)])
 def test_per_token_cast_is_bitwise_deep_gemms(keys, shape, dtype, use_ue8m0):
     x = jax.random.normal(keys(), shape, jnp.float32).astype(dtype) * 3
     values, sf = jax.jit(lambda x: jax_dg.per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0))(x)
@@ -62,7 +62,7 @@ def test_per_token_cast_is_bitwise_deep_gemms(keys, shape, dtype, use_ue8m0):
 
 
 @pytest.mark.parametrize("use_ue8m0", [False, True])
-@pytest.mark.parametrize("shape", [(256, 512), (130, 200)])
+@pytest.mark.parametrize("shape", [(256, 512), (130, 200), (0, 256)])
 def test_per_block_cast_is_bitwise_deep_gemms(keys, shape, use_ue8m0):
     x = jax.random.normal(keys(), shape, jnp.bfloat16)
     values, sf = jax.jit(lambda x: jax_dg.per_block_cast_to_fp8(x, use_ue8m0=use_ue8m0))(x)

@@ -80,6 +80,18 @@ class Checker:
             self.fail(f"{arg}[1]", "(scales) must be given")
         return x[0], x[1]
 
+    def floating(self, x: Any, arg: str) -> None:
+        """An array of a floating dtype (before anything converts it)."""
+        self.array(x, arg)
+        self.that(jnp.issubdtype(x.dtype, jnp.floating), arg, "must have a floating dtype",
+                  jnp.dtype(x.dtype).name)
+
+    def integer(self, x: Any, arg: str) -> None:
+        """An array of an integer dtype, bool excluded (before anything converts it)."""
+        self.array(x, arg)
+        self.that(jnp.issubdtype(x.dtype, jnp.integer), arg, "must have an integer dtype",
+                  jnp.dtype(x.dtype).name)
+
     def dtype_name(self, v: Any, arg: str) -> str:
         """The jnp name of a dtype given as a dtype, a type or a string (ArgumentError if none)."""
         try:
@@ -93,12 +105,29 @@ class Checker:
             self.fail(arg, "must be a static Python number", type(v).__name__)
         return float(v)
 
-    def recipe(self, v: Any, arg: str = "recipe") -> tuple[int, int, int]:
-        """A (gran_m, gran_n, gran_k) triple of static ints."""
-        if not isinstance(v, (tuple, list)) or len(v) != 3 or not all(
-                isinstance(r, (int, np.integer)) and not isinstance(r, (bool, np.bool_)) for r in v):
-            self.fail(arg, "must be a tuple of three ints (gran_m, gran_n, gran_k)", repr(v))
+    def static_bool(self, v: Any, arg: str) -> bool:
+        """A static Python bool (bool() would take 'no', 0.5 or an array's truth)."""
+        if not isinstance(v, (bool, np.bool_)):
+            self.fail(arg, "must be a Python bool", type(v).__name__)
+        return bool(v)
+
+    def recipe(self, v: Any, arg: str = "recipe", two: bool = False) -> tuple[int, ...]:
+        """A (gran_m, gran_n, gran_k) triple of positive static ints; with `two`, also a
+        (gran_mn, gran_k) pair. Never truncated (int(128.5) would be 128)."""
+        sizes = (2, 3) if two else (3,)
+        if not isinstance(v, (tuple, list)) or len(v) not in sizes or not all(
+                isinstance(r, (int, np.integer)) and not isinstance(r, (bool, np.bool_)) and r > 0
+                for r in v):
+            form = ("two or three positive ints, (gran_mn, gran_k) or (gran_m, gran_n, gran_k)"
+                    if two else "three positive ints (gran_m, gran_n, gran_k)")
+            self.fail(arg, f"must be a tuple of {form}", repr(v))
         return tuple(int(r) for r in v)
+
+    def dim(self, v: Any, arg: str, minimum: int | None = None) -> Any:
+        """A static int size, or a symbolic dimension (jax.export), which stays symbolic."""
+        if type(v).__module__.startswith("jax") and not hasattr(v, "shape"):   # not a tracer
+            return v
+        return self.static_int(v, arg, minimum)
 
     def static_int(self, v: Any, arg: str, minimum: int | None = None) -> int:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):

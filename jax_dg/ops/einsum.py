@@ -109,7 +109,7 @@ def einsum(expr: str, a, b, *, c=None, out_dtype=None, use_cublaslt: bool = Fals
         out_dtype = F32 if expr == "bmk,bnk->mn" else BF16
     ck = Checker("einsum")
     (d,) = EINSUM(a, b, c, expr=expr, out_dtype=ck.dtype_name(out_dtype, "out_dtype"),
-                  use_cublaslt=bool(use_cublaslt))
+                  use_cublaslt=ck.static_bool(use_cublaslt, "use_cublaslt"))
     return d
 
 

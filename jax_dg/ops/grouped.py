@@ -177,6 +177,7 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 
 
 def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
+    clean = ck.static_bool(clean, "clean")
     ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
     # Ids outside [-1, G) become padding (-1), with or without `clean`: DeepGEMM would read
     # past b for ids >= G. A select on the [M] ids, fused.
@@ -184,7 +185,7 @@ def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
                    f"must hold group ids in [0, G = {num_groups}) or -1 (padding)", grouped_layout)
     grouped_layout = jnp.where((grouped_layout >= 0) & (grouped_layout < num_groups), grouped_layout, -1)
     (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout(),
-              clean=bool(clean))
+              clean=clean)
     return d
 
 
@@ -313,6 +314,7 @@ M_GROUPED_BF16_MASKED = Op(
 
 
 def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
+    clean = ck.static_bool(clean, "clean")
     expected_m = ck.static_int(expected_m, "expected_m", 1)
     ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
     # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax], with or without
@@ -320,7 +322,7 @@ def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     values.require(ck.op, "masked_m", (masked_m >= 0) & (masked_m <= max_m),
                    f"must lie in [0, Mmax = {max_m}]", masked_m)
     masked_m = jnp.clip(masked_m, 0, max_m)
-    (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=bool(clean))
+    (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=clean)
     return d
 
 

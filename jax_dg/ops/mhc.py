@@ -150,7 +150,7 @@ def mega_mhc(x, residual, post_mix, comb_res_mix, fn, mix_scales, mix_bases, rms
         hc_post_scale=ck.static_float(hc_post_scale, "hc_post_scale"),
         sinkhorn_eps=ck.static_float(sinkhorn_eps, "sinkhorn_eps"),
         num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_eps=ck.static_float(rmsnorm_eps, "rmsnorm_eps"),
-        rmsnorm_scale=ck.static_float(rmsnorm_scale, "rmsnorm_scale"), with_bf16=bool(y_bf16),
+        rmsnorm_scale=ck.static_float(rmsnorm_scale, "rmsnorm_scale"), with_bf16=ck.static_bool(y_bf16, "y_bf16"),
         sf_layout=fp8_sf_layout,
         shared_sf_block_m=shared_sf_block_m))
     names = ["new_residual"] + (["new_prev_mix"] if shifted_prev_mix is not None else [])

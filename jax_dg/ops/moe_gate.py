@@ -202,7 +202,7 @@ def bf16_mega_gate(x, weight, num_topk, *, scoring_func, routed_scaling_factor, 
     outs = BF16_MEGA_GATE(
         x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map,
         logical_count, unmapped_topk_idx, num_topk=num_topk, scoring_func=str(scoring_func),
-        routed_scaling_factor=float(routed_scaling_factor), ep_rank=ep_rank,
+        routed_scaling_factor=ck.static_float(routed_scaling_factor, "routed_scaling_factor"), ep_rank=ep_rank,
         num_shared_experts=num_shared_experts, index_dtype=idt)
     if return_unmapped_topk_idx:
         return outs[1], outs[0], outs[2]

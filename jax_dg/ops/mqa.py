@@ -215,8 +215,9 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
        as it stores it (half the output bytes; -inf stays -inf). Static.
     """
     arrays, width = mqa_arguments("mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    dtype = check_logits_dtype(Checker("mqa_logits"), logits_dtype)
-    static = dict(max_seqlen_k=width, clean_logits=bool(clean_logits),
+    ck = Checker("mqa_logits")
+    dtype = check_logits_dtype(ck, logits_dtype)
+    static = dict(max_seqlen_k=width, clean_logits=ck.static_bool(clean_logits, "clean_logits"),
                   stride_align=stride_align(dtype), logits_dtype=dtype)
     _mqa_logits_rule(*arrays, **static)
     shape = (arrays[0].shape[0], width or arrays[1].shape[0])
@@ -461,5 +462,5 @@ def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks: i
     sbk = _check_sparse_block_kv(ck, sparse_block_kv)
     (logits,) = FP8_FP4_SPARSE_MQA_LOGITS(qv, qs, kvv, kvs, weights, metadata,
                                           num_max_sparse_blocks=nmsb, sparse_block_kv=sbk,
-                                          clean_logits=bool(clean_logits))
+                                          clean_logits=ck.static_bool(clean_logits, "clean_logits"))
     return logits

@@ -62,7 +62,8 @@ SPARSE_KERNELS = ("fp8_fp4_sparse_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits"
 def native_next_n_supported(next_n: int) -> bool:
     """Whether the target's paged MQA-logits kernel takes next_n query rows per request.
     SM90 implements 1, 2 and 4; SM100/SM120 any. Otherwise flatten to one row per query."""
-    return contracts.next_n_ok(int(next_n), device.target().arch)
+    return contracts.next_n_ok(Checker("native_next_n_supported").static_int(next_n, "next_n", 1),
+                               device.target().arch)
 
 
 def get_paged_mqa_page_sizes() -> tuple[int, ...]:
@@ -265,7 +266,7 @@ def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedu
     arrays, static = paged_arguments(name, q, kv_cache, weights, context_lens, block_tables,
                                      schedule_metadata, max_model_len, indices)
     ck = Checker(name)
-    ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
+    clean_logits = ck.static_bool(clean_logits, "clean_logits")
     dtype = check_logits_dtype(ck, logits_dtype)
     (out,) = PAGED_MQA_LOGITS(*arrays, clean_logits=clean_logits, logits_dtype=dtype,
                               stride_align=stride_align(dtype), **static)
@@ -597,7 +598,7 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
     ck.tensor(metadata, "metadata", [jnp.uint8], (size,),
               f"[bytes] from get_paged_sparse_mqa_logits_metadata (M = {m}, nmsb = {nmsb}) "
               "on this device")
-    ck.that(isinstance(clean_logits, bool), "clean_logits", "must be a Python bool", clean_logits)
+    clean_logits = ck.static_bool(clean_logits, "clean_logits")
     (out,) = PAGED_SPARSE_MQA_LOGITS(qv, q_sf, kv_cache, weights, metadata, num_max_sparse_blocks=nmsb,
                                      sparse_block_kv=sbk, clean_logits=clean_logits)
     return out

@@ -39,8 +39,7 @@ _GRAPH_SAFE = frozenset({"sm90", "sm100"}) if kernels.available() else frozenset
 
 
 def _check_sorted(ck: Checker, sorted) -> bool:
-    ck.that(isinstance(sorted, bool), "sorted", "must be a Python bool", sorted)
-    return sorted
+    return ck.static_bool(sorted, "sorted")
 
 
 def _check_k(ck: Checker, k) -> int:
