@@ -57,6 +57,7 @@ from jax_dg.ops.gemm import (
     cublaslt_gemm_tt,
     fp8_gemm_nn,
     fp8_gemm_nt,
+    fp8_gemm_nt_skip_head_mid,
     fp8_gemm_tn,
     fp8_gemm_tt,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dg import contracts
 from jax_dg.contracts import align, cdiv
@@ -277,6 +278,77 @@ fp8_gemm_tn = _fp8_public("tn", """d = a.T @ b (+ c): a stored [K, M] (scales [c
     only (see fp8_gemm_nn). M % 16 == 0 and N % 16 == 0.""")
 fp8_gemm_tt = _fp8_public("tt", """d = a.T @ b.T (+ c): a stored [K, M] (scales [ceil(K/128), M]), b stored [N, K] (scales
     as in fp8_gemm_nt). DeepGEMM fp8_gemm_tt; SM100 only (see fp8_gemm_nn). M % 16 == 0.""")
+
+
+# --- FP8 nt into the left/right slices of each head (DeepGEMM fp8_gemm_nt_skip_head_mid) -------
+
+def _head_splits(ck: Checker, head_splits) -> tuple[int, int, int]:
+    ok = (isinstance(head_splits, (tuple, list)) and len(head_splits) == 3
+          and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+                  for v in head_splits))
+    ck.that(ok and head_splits[0] >= 0 and head_splits[1] >= 0 and head_splits[2] >= 0
+            and head_splits[0] + head_splits[2] > 0, "head_splits",
+            "must be a static (left, mid, right) of ints >= 0 with left + right > 0", repr(head_splits))
+    return tuple(int(v) for v in head_splits)
+
+
+def _skip_head_mid_rule(a, sfa, b, sfb, d, *, head_splits, recipe):
+    ck = Checker("fp8_gemm_nt_skip_head_mid")
+    m, n = _fp8_rule("nt")(a, sfa, b, sfb, None, out_dtype="bfloat16", recipe=recipe)[0].shape
+    left, mid, right = head_splits
+    ck.that(n % (left + right) == 0, "head_splits",
+            f"must have left + right = {left + right} dividing b's N = {n}", head_splits)
+    width = n + n // (left + right) * mid
+    ck.tensor(d, "d", [BF16], (m, width), f"[M, N + N / (left + right) * mid] = [{m}, {width}]")
+    return [jax.ShapeDtypeStruct((m, width), BF16)]
+
+
+def _skip_head_mid_run(dg, a, sfa, b, sfb, d_in, d, *, head_splits, recipe):
+    # d is d_in's buffer (aliased): the kernel writes around the heads' middle columns
+    dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
+                                 recipe=recipe)
+
+
+FP8_GEMM_NT_SKIP_HEAD_MID = Op(
+    name="fp8_gemm_nt_skip_head_mid",
+    args=("a", "sfa", "b", "sfb", "d"),
+    rule=_skip_head_mid_rule,
+    run=_skip_head_mid_run,
+    reference=lambda a, sfa, b, sfb, d, *, head_splits, recipe: ref.fp8_gemm_nt_skip_head_mid(
+        a, mn_major_logical(sfa, a.shape[0]), b, sfb, d, head_splits=head_splits, recipe=recipe),
+    symbols=("fp8_gemm_nt_skip_head_mid",),
+    aliases={"d": 0},
+    # not graph_safe: whether the call allocates was not measured on the H200 (fp8_gemm_nt's
+    # path with the same scale layout allocates nothing)
+)
+
+
+@exposes(FP8_GEMM_NT_SKIP_HEAD_MID)
+def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None) -> jax.Array:
+    """fp8_gemm_nt written into the left and right slices of each head of a wider d (DeepGEMM
+    fp8_gemm_nt_skip_head_mid): the N output columns are heads of left + right columns; head h
+    lands in d[:, h*w : h*w + left] and d[:, h*w + left + mid : (h+1)*w], w = left + mid + right.
+
+    a: (values float8_e4m3fn [M, K], scales float32 [M, ceil(K/128)])      per token
+    b: (values float8_e4m3fn [N, K], scales float32 [ceil(N/128), ceil(K/128)])  per block
+    head_splits: static (left, mid, right); (left + right) divides N.
+    d: bfloat16 [M, N + N / (left + right) * mid] whose middle columns are kept (XLA may donate
+       its buffer); None: zeros there.
+    Returns d bfloat16 [M, N + N / (left + right) * mid], fully defined.
+    """
+    ck = Checker("fp8_gemm_nt_skip_head_mid")
+    av, sfa = ck.pair(a, "a")
+    bv, sfb = ck.pair(b, "b")
+    splits = _head_splits(ck, head_splits)
+    _fp8_rule("nt", physical=False)(av, sfa, bv, sfb, None, out_dtype="bfloat16", recipe=RECIPE_BLOCK)
+    m, n = av.shape[0], bv.shape[0]
+    if d is None:
+        ck.that(n % (splits[0] + splits[2]) == 0, "head_splits",
+                f"must have left + right = {splits[0] + splits[2]} dividing b's N = {n}", head_splits)
+        d = jnp.zeros((m, n + n // (splits[0] + splits[2]) * splits[1]), BF16)
+    (out,) = FP8_GEMM_NT_SKIP_HEAD_MID(av, mn_major_physical(sfa), bv, sfb, d, head_splits=splits,
+                                       recipe=RECIPE_BLOCK)
+    return out
 
 
 # --- BF16: DeepGEMM's kernels and cuBLASLt, in all four storages ------------------------------

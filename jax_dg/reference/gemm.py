@@ -27,6 +27,19 @@ def fp8_gemm_nt(a, sfa, b, sfb, c, *, out_dtype: str, recipe):
     return d.astype(out_dtype)
 
 
+def fp8_gemm_nt_skip_head_mid(a, sfa, b, sfb, d, *, head_splits, recipe):
+    """fp8_gemm_nt's d = a @ b.T, (left + right) columns per head, written into each head of
+    d [M, N + N / (left + right) * mid] around its `mid` columns, which keep d's values."""
+    left, mid, right = head_splits
+    out = fp8_gemm_nt(a, sfa, b, sfb, None, out_dtype=d.dtype, recipe=recipe)
+    m, n = out.shape
+    heads = n // (left + right)
+    out = out.reshape(m, heads, left + right)
+    full = d.reshape(m, heads, left + mid + right)
+    full = full.at[:, :, :left].set(out[:, :, :left]).at[:, :, left + mid:].set(out[:, :, left:])
+    return full.reshape(d.shape)
+
+
 def bf16_gemm_nt(a, b, c, *, out_dtype: str):
     """a [M, K] @ b[N, K].T (+ c), float32 accumulation."""
     d = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=HIGHEST)

@@ -24,6 +24,22 @@ def fp8_gemm_nt(a, b, d, c=None, recipe=None, **_unused) -> None:
     d.copy_(out)
 
 
+__all__ += ["fp8_gemm_nt_skip_head_mid"]
+
+
+def fp8_gemm_nt_skip_head_mid(a, b, d, head_splits, recipe=None, compiled_dims="nk",
+                              disable_ue8m0_cast=False) -> None:
+    """a @ b.T's columns, (left + right) per head, written around each head's `mid` columns of
+    d [M, N + N / (left + right) * mid], which are not touched."""
+    left, mid, right = head_splits
+    x, w = _fp8_operands(a, b, recipe)
+    m, n = x.shape[0], w.shape[0]
+    out = (x @ w.T).view(m, n // (left + right), left + right)
+    heads = d.view(m, n // (left + right), left + mid + right)
+    heads[:, :, :left] = out[:, :, :left].to(d.dtype)
+    heads[:, :, left + mid:] = out[:, :, left:].to(d.dtype)
+
+
 # --- Layout variants: DeepGEMM's nn / tn / tt are nt on transposed views ----------------------
 # (a "t" operand is stored [K, M], a "n" b is stored [K, N]; scales transpose with their values)
 
