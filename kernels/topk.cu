@@ -5,8 +5,9 @@
 // that share the digits found so far). Rows of up to 40960 keys are read from global memory
 // once and staged in shared memory; longer rows are re-read (from L2) by each pass. Then one
 // pass collects, in column order, the keys above that threshold and the first keys equal to
-// it. Sorted, a bitonic sort in shared memory orders them by value descending, index
-// ascending on ties: lax.top_k's documented order. Unsorted, the same set stays in column order
+// it. Sorted, a bitonic sort orders them by value descending, index ascending on ties
+// (lax.top_k's documented order): its stages with step < 64 in registers (warp shuffles), the
+// wider ones in shared memory. Unsorted, the same set stays in column order
 // (no sort). Either way the result is the same on every run.
 //
 // Candidates of row r: columns c with lo[r] <= c < hi[r] (all when lo/hi are null), c < cols,

@@ -88,6 +88,16 @@ def capture_guard(op_name: str, platform: str, run):
 _MN_MAJOR: dict = {}
 
 
+@functools.lru_cache(maxsize=16)
+def _arch_major(device: int) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def arch_major(t: torch.Tensor) -> int:
+    """The compute capability's major of the GPU holding `t` (0 on CPU); cached per device."""
+    return _arch_major(t.device.index) if t.is_cuda else 0
+
+
 def mn_major_view(physical: torch.Tensor, mn: int) -> torch.Tensor:
     """The logical [(G,) MN, K'] scales DeepGEMM's get_mn_major_tma_aligned_tensor returns as
     they are (no allocation, no transpose): a strided view of the physical buffer

@@ -331,7 +331,9 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None) -> jax.Array:
 
     a: (values float8_e4m3fn [M, K], scales float32 [M, ceil(K/128)])      per token
     b: (values float8_e4m3fn [N, K], scales float32 [ceil(N/128), ceil(K/128)])  per block
-    head_splits: static (left, mid, right); (left + right) divides N.
+    head_splits: static (left, mid, right); (left + right) divides N. DeepGEMM compiles the
+       splits into its epilogue, which needs each a multiple of its store block (DeepGEMM's
+       own case, (128, 64, 128), is the one tested on a GPU); others fail there when compiled.
     d: bfloat16 [M, N + N / (left + right) * mid] whose middle columns are kept (XLA may donate
        its buffer); None: zeros there.
     Returns d bfloat16 [M, N + N / (left + right) * mid], fully defined.

@@ -4,7 +4,8 @@ BF16, and the k-grouped FP8 weight-gradient GEMM.
 Outputs are fully defined: with `clean=True` (default) the rows DeepGEMM leaves unspecified
 (padding rows of the contiguous layout, rows past masked_m) are set to 0 inside the same custom
 call, by jax_dg's own kernel (kernels/zero_rows.cu) that writes only those rows: no pass over
-the rest of d. `clean=False` skips it and returns DeepGEMM's output as is; where a's padding
+the rest of d (the psum layout and non-default compiled_dims clean with an XLA select).
+`clean=False` skips it and returns DeepGEMM's output as is; where a's padding
 rows are zero (as routing.permute_to_contiguous / _to_masked make them) and only routed rows
 are read back (routing.combine_from_*), that is exact. Index vectors are always brought into
 range (ids outside [-1, G) become -1, masked_m is clipped to [0, Mmax]; jax_dg.core.values).
@@ -130,8 +131,9 @@ _SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": False}
 
 
 def _zero_padding_rows(dg, d, grouped_layout, mk_alignment, kind, clean):
-    if clean:
-        dg.zero_padding_rows(d, grouped_layout, mk_alignment, _SKIP_PADDING_BLOCKS[kind])
+    if clean:   # the skip was established on SM90 only: elsewhere every padding row is zeroed
+        skip = _SKIP_PADDING_BLOCKS[kind] and rt.arch_major(d) == 9
+        dg.zero_padding_rows(d, grouped_layout, mk_alignment, skip)
 
 
 def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, clean):
@@ -211,8 +213,10 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     Ids outside [-1, G) are treated as padding (-1) before DeepGEMM reads them (always: it
     does not check them); under `jax_dg.checked()` they raise instead, naming grouped_layout.
     clean=True (default): padding rows are 0 in d; jax_dg's kernel writes only the padding
-    rows of blocks that hold routed rows (DeepGEMM's FP8 kernel writes the others as 0; the
-    BF16 form zeroes every padding row). clean=False: d straight from DeepGEMM; padding rows
+    rows of blocks that hold routed rows (DeepGEMM's SM90 FP8 kernel writes the others as 0;
+    the BF16 form and other GPUs zero every padding row). That holds for layouts that keep the
+    contract above (a block that starts with padding holds only padding). With the psum layout
+    or a compiled_dims other than "nk", clean=True is a select in XLA over d instead. clean=False: d straight from DeepGEMM; padding rows
     hold 0 or a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0,
     as routing.permute_to_contiguous makes them).
     use_psum_layout=True: grouped_layout is instead int32 [G], psum[j] = the end row (exclusive)
@@ -229,7 +233,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     """
     ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
     _psum_doc_check(ck, use_psum_layout, expected_m_for_psum_layout)
-    if use_psum_layout or compiled_dims is not None:
+    if use_psum_layout or compiled_dims not in (None, "nk"):   # "nk": the default, per-row record
         return m_grouped_fp8_psum(a, b, grouped_layout, clean=clean, use_psum_layout=use_psum_layout,
                                   expected_m=expected_m_for_psum_layout, compiled_dims=compiled_dims)
     av, sfa = ck.pair(a, "a")
@@ -252,7 +256,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = Tru
     [G, K, N]: m_grouped_bf16_gemm_nn_contiguous."""
     ck = Checker("m_grouped_bf16_gemm_nt_contiguous")
     _psum_doc_check(ck, use_psum_layout, expected_m_for_psum_layout)
-    if use_psum_layout or compiled_dims is not None:
+    if use_psum_layout or compiled_dims not in (None, "nk"):   # "nk": the default, per-row record
         return m_grouped_bf16_psum(a, b, grouped_layout, clean=clean, use_psum_layout=use_psum_layout,
                                    expected_m=expected_m_for_psum_layout, compiled_dims=compiled_dims)
     ck.ndim(b, "b", 3, "[G, N, K]")
@@ -561,10 +565,15 @@ def _psum_contiguous(op, ck, arrays, m: int, grouped_layout, clean, expected_m, 
     grouped_layout = jnp.asarray(grouped_layout)
     ck.dtype(grouped_layout, "grouped_layout", I32)
     expected_m = 0 if expected_m is None else ck.static_int(expected_m, "expected_m_for_psum_layout", 1)
-    if clean:
-        # data: end rows clipped to [0, M] and to their running maximum (a decreasing entry
-        # makes that group empty), so DeepGEMM never runs past d
-        grouped_layout = jax.lax.cummax(jnp.clip(grouped_layout, 0, m), axis=0)
+    clean = ck.static_bool(clean, "clean")
+    # data, with or without `clean` (as the per-row ids): end rows clipped to [0, M] and to
+    # their running maximum (a decreasing entry makes that group empty), so DeepGEMM never runs
+    # past a or d. A scan over the [G] offsets.
+    values.require(ck.op, "grouped_layout",
+                   (grouped_layout >= 0) & (grouped_layout <= m)
+                   & (grouped_layout >= jax.lax.cummax(grouped_layout, axis=0)),
+                   f"(psum) must hold non-decreasing end rows in [0, M = {m}]", grouped_layout)
+    grouped_layout = jax.lax.cummax(jnp.clip(grouped_layout, 0, m), axis=0)
     (d,) = op(*arrays, grouped_layout, mk_alignment=a_, use_psum_layout=True, expected_m=expected_m,
               compiled_dims=compiled_dims)
     if clean:

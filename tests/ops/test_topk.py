@@ -175,6 +175,20 @@ def gpu_logits(key, m, n, ties):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 33, 64, 3000, 4096])
+def test_gpu_kernel_at_other_k(keys, k):
+    """The sort's edge cases: k_slots at its 64-slot floor, and 2048 < k <= 4096, where a warp
+    sorts two 64-slot windows in registers. Indices equal the torch reference's, sorted and not."""
+    from jax_dg.backends import kernels
+    assert kernels.available(), f"jax_dg's CUDA kernels were not built: {kernels.import_error()}"
+    for ties in (False, True):
+        x = gpu_logits(keys(), 64, 8192, ties)
+        for srt in (True, False):
+            call = lambda x: jax_dg.topk_indices(x, k, sorted=srt)   # noqa: E731
+            np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), run("torch", call, x))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [4096, 8192, 32768, 131072])
 @pytest.mark.parametrize("k", [512, 1024, 2048])
 def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
