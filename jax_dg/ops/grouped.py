@@ -547,16 +547,16 @@ exposes(M_GROUPED_BF16_CONTIGUOUS, M_GROUPED_BF16_PSUM)(m_grouped_bf16_gemm_nt_c
 
 def _static_psum(ck: Checker, psum, m: int):
     """Checks psum offsets that are known while tracing (numpy, lists, constants): non-decreasing,
-    in [0, M]. Traced offsets cannot be read here: see _sanitised_psum."""
+    in [0, M]. Traced offsets cannot be read here: _psum_contiguous brings them into range."""
     if isinstance(psum, jax.core.Tracer):
         return
-    values = np.asarray(psum)
-    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+    offsets = np.asarray(psum)   # (not `values`: the module of that name is imported here)
+    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
         return   # the rule names the shape or dtype
-    ck.that(bool((values >= 0).all() and (values <= m).all()), "grouped_layout",
-            f"(psum) must hold end rows in [0, M] = [0, {m}]", values.tolist())
-    ck.that(bool((np.diff(values) >= 0).all()), "grouped_layout",
-            "(psum) must be non-decreasing (group j ends where group j + 1 may start)", values.tolist())
+    ck.that(bool((offsets >= 0).all() and (offsets <= m).all()), "grouped_layout",
+            f"(psum) must hold end rows in [0, M] = [0, {m}]", offsets.tolist())
+    ck.that(bool((np.diff(offsets) >= 0).all()), "grouped_layout",
+            "(psum) must be non-decreasing (group j ends where group j + 1 may start)", offsets.tolist())
 
 
 def _psum_contiguous(op, ck, arrays, m: int, grouped_layout, clean, expected_m, compiled_dims):

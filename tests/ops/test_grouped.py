@@ -478,15 +478,22 @@ def test_gpu_masked_matches_deep_gemm_from_torch(keys, fp8, g, expected_m, n, k)
     assert bool(same_bits(inputs, (a, b, masked_m))), "inputs were written"
 
 
+def k_group_sizes(g, m, expected_k, empty):
+    """DeepGEMM's k-grouped generator: each group's K ~ expected_k x U(0.7, 1.3), aligned to 128;
+    with `empty`, one group gets K = 0."""
+    rng = np.random.default_rng(g * m + expected_k)
+    ks = [align(int(expected_k * rng.uniform(0.7, 1.3)), 128) for _ in range(g)]
+    if empty:
+        ks[int(rng.integers(g))] = 0
+    return ks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("g,m,n,expected_k,empty", [(4, 4096, 7168, 8192, False), (8, 4096, 7168, 4096, True)])
 def test_gpu_k_grouped_matches_deep_gemm_from_torch(keys, g, m, n, expected_k, empty):
     import deep_gemm
     import torch
-    rng = np.random.default_rng(g * m + expected_k)
-    ks = [align(int(expected_k * rng.uniform(0.7, 1.3)), 128) for _ in range(g)]
-    if empty:
-        ks[int(rng.integers(g))] = 0
+    ks = k_group_sizes(g, m, expected_k, empty)
     a, b, x, y = k_grouped_inputs(keys, ks, m, n)
     c = jax.random.normal(keys(), (g, m, n), jnp.float32) * 32
     f = jax.jit(lambda a, b, c: jax_dg.k_grouped_fp8_gemm_nt_contiguous(a, b, ks, c=c))

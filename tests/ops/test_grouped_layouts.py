@@ -17,6 +17,7 @@ import jax_dg
 from jax_dg.contracts import align
 from jax_dg.reference.grouped import psum_to_row_groups
 from tests.conftest import device_copies, run, same_bits, to_torch
+from tests.ops.test_grouped import k_group_sizes
 from tests.ops.test_grouped import (cast_a, cast_b, contiguous_expected, contiguous_layout,
                                     device_diff)
 
@@ -320,10 +321,7 @@ def test_gpu_k_grouped_bf16_matches_deep_gemm_from_torch(keys, g, m, n, expected
     """test_bf16.py's k-grouped cases (EP64 / EP16), an empty group in one; threshold 1e-5."""
     import deep_gemm
     import torch
-    rng = np.random.default_rng(g * m + expected_k)
-    ks = [align(int(expected_k * rng.uniform(0.7, 1.3)), 128) for _ in range(g)]
-    if empty:
-        ks[int(rng.integers(g))] = 0
+    ks = k_group_sizes(g, m, expected_k, empty)
     a, b, c = k_bf16_inputs(keys, ks, m, n)
     f = jax.jit(lambda a, b, c: jax_dg.k_grouped_bf16_gemm_tn_contiguous(a, b, ks, c=c))
     inputs_before = device_copies(a, b, c)
