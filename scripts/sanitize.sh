@@ -8,6 +8,9 @@
 #   scripts/sanitize.sh values [pytest args]     memcheck over the out-of-range value cases only
 #                                                 (tests/test_values.py, small shapes)
 #   scripts/sanitize.sh files                    the GPU test files, one a line (to split a run)
+#   scripts/sanitize.sh sweep memcheck|initcheck  the tool's default files split over JOBS
+#                                                 (default 4) sanitizer processes at once on
+#                                                 the one GPU (logs TOOL.0 ... TOOL.<JOBS-1>)
 #
 # e.g. scripts/sanitize.sh memcheck tests/ops/test_grouped.py -k masked
 # Settings (perf_facts.md: with XLA's defaults the sanitizer segfaults at start-up): XLA's
@@ -17,7 +20,8 @@
 # are compiled into its JIT cache before the slow run. Logs go to $OUT (the device tool) or
 # ./gpu-logs; the exit code is non-zero when the sanitizer reports an error or a test fails.
 # Each run is time-boxed (SAN_TIMEOUT, default 570 s): under the sanitizer the whole GPU suite
-# (about 520 s without it) needs several runs, one per file or group of files.
+# (about 520 s without it) needs several runs, one per file or group of files; `sweep` runs
+# those groups side by side (the GPU is mostly idle under the sanitizer, which is host-bound).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
@@ -31,7 +35,7 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 # the grouped GEMMs (clean), top-k, the schedule metadata and the value cases. The logits ops'
 # view masks positions DeepGEMM leaves unwritten with a select, which reads them (a discarded
 # read initcheck would report): they are left to memcheck.
-INITCHECK_FILES="tests/ops/test_gemm.py tests/ops/test_grouped.py tests/ops/test_einsum.py
+INITCHECK_FILES="tests/ops/test_gemm.py tests/ops/test_grouped.py tests/ops/test_einsum.py tests/ops/test_compiled_dims.py
   tests/ops/test_hyperconnection.py tests/ops/test_topk.py tests/test_values.py"
 
 mode=${1:-memcheck}
@@ -62,6 +66,21 @@ sanitize() {   # sanitize TOOL NAME PYTEST-ARGS...
   return $rc
 }
 
+sweep() {   # sweep TOOL: TOOL's default files, round-robin over JOBS concurrent runs
+  local tool=$1 files i=0 j rc=0
+  local -a groups=() pids=()
+  if [ "$tool" = memcheck ]; then files=$(gpu_files | grep -v "tests/core/test_capture.py"); else files=$INITCHECK_FILES; fi
+  for f in $files; do groups[$((i % ${JOBS:-4}))]+=" $f"; i=$((i + 1)); done
+  for j in "${!groups[@]}"; do
+    # shellcheck disable=SC2086   # the group is a list of files
+    sanitize "$tool" "$tool.$j" ${groups[$j]} > "$out/$tool.$j.summary" 2>&1 &
+    pids+=($!)
+  done
+  for j in "${!pids[@]}"; do wait "${pids[$j]}" || rc=1; done
+  for j in "${!groups[@]}"; do echo "--- $tool.$j:${groups[$j]}"; cat "$out/$tool.$j.summary"; done
+  return $rc
+}
+
 case $mode in
   # The capture tests assert CUDA-graph replay, which the sanitizer's settings turn off.
   memcheck)  [ $# -gt 0 ] || set -- tests --ignore=tests/core/test_capture.py
@@ -70,5 +89,6 @@ case $mode in
              sanitize initcheck initcheck "$@" ;;
   values)    sanitize memcheck values tests/test_values.py "$@" ;;
   files)     gpu_files ;;
-  *) echo "usage: $0 memcheck|initcheck|values|files [pytest args]" >&2; exit 2 ;;
+  sweep)     sweep "${1:-memcheck}" ;;
+  *) echo "usage: $0 memcheck|initcheck|values|files [pytest args] | sweep memcheck|initcheck" >&2; exit 2 ;;
 esac

@@ -123,6 +123,15 @@ class Checker:
             self.fail(arg, f"must be a tuple of {form}", repr(v))
         return tuple(int(r) for r in v)
 
+    def compiled_dims(self, v: Any, arg: str = "compiled_dims") -> str | None:
+        """DeepGEMM's `compiled_dims`: the GEMM dims (distinct letters of 'mnk') compiled into
+        the kernel as constants; it changes speed, never results. None: DeepGEMM's default."""
+        if v is None:
+            return None
+        self.that(isinstance(v, str) and set(v) <= set("mnk") and len(set(v)) == len(v), arg,
+                  "must be a static string of distinct letters of 'mnk' (e.g. 'nk', 'mn')", repr(v))
+        return v
+
     def dim(self, v: Any, arg: str, minimum: int | None = None) -> Any:
         """A static int size, or a symbolic dimension (jax.export), which stays symbolic."""
         if type(v).__module__.startswith("jax") and not hasattr(v, "shape"):   # not a tracer

@@ -26,6 +26,11 @@ def retype(tensor: torch.Tensor, xla_dtype: int) -> torch.Tensor:
     return tensor.view(FP8_BY_XLA_TYPE[xla_dtype])
 
 
+def dims(compiled_dims: str | None) -> dict:
+    """DeepGEMM's `compiled_dims` keyword when the caller chose one (None: DeepGEMM's default)."""
+    return {} if compiled_dims is None else {"compiled_dims": compiled_dims}
+
+
 def dtype(name: str) -> torch.dtype:
     """torch's dtype of a jnp dtype name ("float8_e4m3fn", "int8", ...)."""
     return getattr(torch, name)

@@ -99,7 +99,7 @@ def _sf_rule(ck: Checker, sf, arg: str, mn: int, kb: int, gran_mn: int, transpos
 
 
 def _fp8_rule(storage: str, physical: bool = True):
-    def rule(a, sfa, b, sfb, c, *, out_dtype, recipe):
+    def rule(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
         ck = Checker(f"fp8_gemm_{storage}")
         ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)} on SM90", recipe)
         gm, gn, gk = recipe
@@ -128,20 +128,20 @@ def _fp8_rule(storage: str, physical: bool = True):
 def _fp8_run(storage: str):
     name = f"fp8_gemm_{storage}"
 
-    def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe):
+    def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe, compiled_dims=None):
         phys_a, phys_b = _mn_major(storage, recipe)
         if phys_a:
             sfa = rt.mn_major_view(sfa, a.shape[0])
         if phys_b:
             sfb = rt.mn_major_view(sfb, b.shape[0])
-        getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe)
+        getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe, **rt.dims(compiled_dims))
     return run
 
 
 def _fp8_reference(storage: str):
     a_t, b_n = _transposed(storage)
 
-    def reference(a, sfa, b, sfb, c, *, out_dtype, recipe):
+    def reference(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
         phys_a, phys_b = _mn_major(storage, recipe)
         if phys_a:
             sfa = mn_major_logical(sfa, a.shape[0])
@@ -172,7 +172,7 @@ def _masked_batch(op, a, sfa_logical, b, sfb, size: int, m: int):
 def _fp8_batch(storage: str):
     """vmap of fp8_gemm_nt: a batched `a` with a shared `b` folds into M (one GEMM of B*M rows);
     both batched (per-block recipe) run as one masked grouped GEMM; otherwise sequential."""
-    def rule(size, batched, inputs, *, out_dtype, recipe):
+    def rule(size, batched, inputs, *, out_dtype, recipe, compiled_dims=None):
         if storage != "nt":
             return None
         a, sfa, b, sfb, c = (inputs[n] if n in inputs else None for n in ("a", "sfa", "b", "sfb", "c"))
@@ -182,7 +182,8 @@ def _fp8_batch(storage: str):
             a = bcast(a, batched["a"], size)
             c = bcast(c, batched.get("c", False), size)
             (d,) = FP8_GEMM["nt"](fold_rows(a), mn_major_physical(fold_rows(sfa_l)), b, sfb,
-                                  None if c is None else fold_rows(c), out_dtype=out_dtype, recipe=recipe)
+                                  None if c is None else fold_rows(c), out_dtype=out_dtype, recipe=recipe,
+                                  compiled_dims=compiled_dims)
             return (d.reshape(size, m, -1),)
         if recipe == RECIPE_BLOCK and c is None:
             return _masked_batch(M_GROUPED_FP8_MASKED, bcast(a, batched["a"], size), sfa_l,
@@ -197,7 +198,7 @@ _GEMM_TIES = {"ma": ("m", "aligned", 4), "na": ("n", "aligned", 4), "kb": ("k", 
               "nb": ("n", "blocks", 128)}
 
 
-def _fp8_layout(names, *, out_dtype, recipe):
+def _fp8_layout(names, *, out_dtype, recipe, compiled_dims=None):
     sfb = "nb kb" if recipe == RECIPE_BLOCK else "kb na"   # per-channel b's scales: MN-major physical
     return Layout({"a": "m k", "sfa": "kb ma", "b": "n k", "sfb": sfb, "c": "m n"}, ["m n"])
 
@@ -231,7 +232,7 @@ def _fp8_public(storage: str, doc: str):
     name = f"fp8_gemm_{storage}"
 
     @exposes(FP8_GEMM[storage])
-    def fn(a, b, *, c=None, out_dtype=None, recipe=None) -> jax.Array:
+    def fn(a, b, *, c=None, out_dtype=None, recipe=None, compiled_dims=None) -> jax.Array:
         ck = Checker(name)
         av, sfa = ck.pair(a, "a")
         bv, sfb = ck.pair(b, "b")
@@ -247,7 +248,8 @@ def _fp8_public(storage: str, doc: str):
             _fp8_rule(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
             sfa = mn_major_physical(sfa) if phys_a else sfa
             sfb = mn_major_physical(sfb) if phys_b else sfb
-        (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
+        (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe,
+                                 compiled_dims=ck.compiled_dims(compiled_dims))
         return d
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = doc
@@ -264,6 +266,8 @@ fp8_gemm_nt = _fp8_public("nt", """d = a @ b.T (+ c) on FP8 operands with DeepSe
     out_dtype: bfloat16 for the per-block recipe, float32 for the per-channel one (the default
        follows the recipe; other choices are rejected, as DeepGEMM's SM90 kernels do).
     recipe: (gran_m, gran_n, gran_k); inferred from b's scale shape when None.
+    compiled_dims: static, the dims DeepGEMM compiles into the kernel (distinct letters of
+       'mnk'; DeepGEMM's default 'nk' for nt/nn, 'mn' for tn/tt): speed only, never results.
     Returns d [M, N]. K must be a multiple of 16, N of 8 (bfloat16 d) or 4 (float32 d).
     """)
 fp8_gemm_nn = _fp8_public("nn", """d = a @ b (+ c): fp8_gemm_nt with b stored [K, N] (DeepGEMM fp8_gemm_nn).
@@ -292,7 +296,7 @@ def _head_splits(ck: Checker, head_splits) -> tuple[int, int, int]:
     return tuple(int(v) for v in head_splits)
 
 
-def _skip_head_mid_rule(a, sfa, b, sfb, d, *, head_splits, recipe):
+def _skip_head_mid_rule(a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None):
     ck = Checker("fp8_gemm_nt_skip_head_mid")
     m, n = _fp8_rule("nt")(a, sfa, b, sfb, None, out_dtype="bfloat16", recipe=recipe)[0].shape
     left, mid, right = head_splits
@@ -303,10 +307,10 @@ def _skip_head_mid_rule(a, sfa, b, sfb, d, *, head_splits, recipe):
     return [jax.ShapeDtypeStruct((m, width), BF16)]
 
 
-def _skip_head_mid_run(dg, a, sfa, b, sfb, d_in, d, *, head_splits, recipe):
+def _skip_head_mid_run(dg, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, compiled_dims=None):
     # d is d_in's buffer (aliased): the kernel writes around the heads' middle columns
     dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
-                                 recipe=recipe)
+                                 recipe=recipe, **rt.dims(compiled_dims))
 
 
 FP8_GEMM_NT_SKIP_HEAD_MID = Op(
@@ -314,7 +318,7 @@ FP8_GEMM_NT_SKIP_HEAD_MID = Op(
     args=("a", "sfa", "b", "sfb", "d"),
     rule=_skip_head_mid_rule,
     run=_skip_head_mid_run,
-    reference=lambda a, sfa, b, sfb, d, *, head_splits, recipe: ref.fp8_gemm_nt_skip_head_mid(
+    reference=lambda a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None: ref.fp8_gemm_nt_skip_head_mid(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, d, head_splits=head_splits, recipe=recipe),
     symbols=("fp8_gemm_nt_skip_head_mid",),
     aliases={"d": 0},
@@ -324,7 +328,7 @@ FP8_GEMM_NT_SKIP_HEAD_MID = Op(
 
 
 @exposes(FP8_GEMM_NT_SKIP_HEAD_MID)
-def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None) -> jax.Array:
+def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None, compiled_dims=None) -> jax.Array:
     """fp8_gemm_nt written into the left and right slices of each head of a wider d (DeepGEMM
     fp8_gemm_nt_skip_head_mid): the N output columns are heads of left + right columns; head h
     lands in d[:, h*w : h*w + left] and d[:, h*w + left + mid : (h+1)*w], w = left + mid + right.
@@ -336,6 +340,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None) -> jax.Array:
        own case, (128, 64, 128), is the one tested on a GPU); others fail there when compiled.
     d: bfloat16 [M, N + N / (left + right) * mid] whose middle columns are kept (XLA may donate
        its buffer); None: zeros there.
+    compiled_dims: as for fp8_gemm_nt.
     Returns d bfloat16 [M, N + N / (left + right) * mid], fully defined.
     """
     ck = Checker("fp8_gemm_nt_skip_head_mid")
@@ -349,7 +354,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None) -> jax.Array:
                 f"must have left + right = {splits[0] + splits[2]} dividing b's N = {n}", head_splits)
         d = jnp.zeros((m, n + n // (splits[0] + splits[2]) * splits[1]), BF16)
     (out,) = FP8_GEMM_NT_SKIP_HEAD_MID(av, mn_major_physical(sfa), bv, sfb, d, head_splits=splits,
-                                       recipe=RECIPE_BLOCK)
+                                       recipe=RECIPE_BLOCK, compiled_dims=ck.compiled_dims(compiled_dims))
     return out
 
 
@@ -359,7 +364,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None) -> jax.Array:
 def _bf16_rule(name: str, storage: str, deep_gemm_kernel: bool):
     a_t, b_n = _transposed(storage)
 
-    def rule(a, b, c, *, out_dtype):
+    def rule(a, b, c, *, out_dtype, compiled_dims=None):
         ck = Checker(name)
         m, n, k = _check_operands(ck, a, b, storage, BF16)
         ck.that(out_dtype in ("bfloat16", "float32"), "out_dtype", "must be bfloat16 or float32",
@@ -377,15 +382,15 @@ def _bf16_rule(name: str, storage: str, deep_gemm_kernel: bool):
 
 
 def _bf16_run(name: str):
-    def run(dg, a, b, c, d, *, out_dtype):
-        getattr(dg, name)(a, b, d, c=c)
+    def run(dg, a, b, c, d, *, out_dtype, compiled_dims=None):   # cuBLASLt's: always None
+        getattr(dg, name)(a, b, d, c=c, **rt.dims(compiled_dims))
     return run
 
 
 def _bf16_reference(storage: str):
     a_t, b_n = _transposed(storage)
 
-    def reference(a, b, c, *, out_dtype):
+    def reference(a, b, c, *, out_dtype, compiled_dims=None):
         return ref.bf16_gemm_nt(a.T if a_t else a, b.T if b_n else b, c, out_dtype=out_dtype)
     return reference
 
@@ -408,7 +413,7 @@ def _bf16_vjp(family: str, storage: str):
     computed in the storage a and b have (the other storages' kernels; bf16 operands)."""
     a_t, b_n = _transposed(storage)
 
-    def vjp(inputs, cts, *, out_dtype):
+    def vjp(inputs, cts, *, out_dtype, compiled_dims=None):   # each product: its storage's default
         a, b, c = inputs["a"], inputs["b"], inputs.get("c")
         (dd,) = cts
         g = dd.astype(BF16)
@@ -433,13 +438,14 @@ def _bf16_batch(family: str, storage: str):
     sequential."""
     a_t, _ = _transposed(storage)
 
-    def rule(size, batched, inputs, *, out_dtype):
+    def rule(size, batched, inputs, *, out_dtype, compiled_dims=None):
         a, b, c = inputs["a"], inputs["b"], inputs.get("c")
         if not batched["b"] and not a_t:
             m = a.shape[1] if batched["a"] else a.shape[0]
             a, c = bcast(a, batched["a"], size), bcast(c, batched.get("c", False), size)
             ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
-            (d,) = ops[storage](fold_rows(a), b, None if c is None else fold_rows(c), out_dtype=out_dtype)
+            (d,) = ops[storage](fold_rows(a), b, None if c is None else fold_rows(c), out_dtype=out_dtype,
+                                compiled_dims=compiled_dims)
             return (d.reshape(size, m, -1),)
         if (storage == "nt" and family == "bf16_gemm" and c is None and out_dtype == "bfloat16"
                 and a.shape[-1] % 64 == 0):
@@ -472,10 +478,12 @@ BF16_GEMM = {storage: _bf16_op("bf16_gemm", storage) for storage in STORAGES}
 CUBLASLT_GEMM = {storage: _bf16_op("cublaslt_gemm", storage) for storage in STORAGES}
 
 
-def _bf16_gemm(ops, storage, a, b, c, out_dtype):
+def _bf16_gemm(ops, storage, a, b, c, out_dtype, compiled_dims=None):
+    ck = Checker(ops[storage].name)
     if out_dtype is None:
         out_dtype = c.dtype if c is not None and hasattr(c, "dtype") else BF16
-    (d,) = ops[storage](a, b, c, out_dtype=Checker(ops[storage].name).dtype_name(out_dtype, "out_dtype"))
+    (d,) = ops[storage](a, b, c, out_dtype=ck.dtype_name(out_dtype, "out_dtype"),
+                        compiled_dims=ck.compiled_dims(compiled_dims))
     return d
 
 
@@ -484,7 +492,11 @@ _BF16_DOC = """d = {math} (+ c) on bfloat16 operands, float32 accumulation ({ker
     a: bfloat16 {a}; b: bfloat16 {b}. out_dtype: bfloat16 (default) or float32; c: optional
     accumulator [M, N] of out_dtype (XLA may donate its buffer to d).{extra}
     """
-_DG_EXTRA = "\n    DeepGEMM's SM90 contract: K % 64 == 0, N % 8 == 0 (N % 4 for float32 d), and an operand\n    stored MN-major ([K, M] / [K, N]) needs M % 8 / N % 8."
+_DG_EXTRA = """
+    compiled_dims: static, the dims DeepGEMM compiles into the kernel (distinct letters of 'mnk';
+    DeepGEMM's default 'nk' for nt/nn, 'mn' for tn/tt): speed only, never results.
+    DeepGEMM's SM90 contract: K % 64 == 0, N % 8 == 0 (N % 4 for float32 d), and an operand
+    stored MN-major ([K, M] / [K, N]) needs M % 8 / N % 8."""
 
 
 def _bf16_public(family: str, storage: str):
@@ -492,9 +504,14 @@ def _bf16_public(family: str, storage: str):
     name = f"{family}_{storage}"
     ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
 
-    @exposes(ops[storage])
-    def fn(a, b, *, c=None, out_dtype=None) -> jax.Array:
-        return _bf16_gemm(ops, storage, a, b, c, out_dtype)
+    if family == "bf16_gemm":
+        @exposes(ops[storage])
+        def fn(a, b, *, c=None, out_dtype=None, compiled_dims=None) -> jax.Array:
+            return _bf16_gemm(ops, storage, a, b, c, out_dtype, compiled_dims)
+    else:   # cuBLASLt takes no compiled_dims
+        @exposes(ops[storage])
+        def fn(a, b, *, c=None, out_dtype=None) -> jax.Array:
+            return _bf16_gemm(ops, storage, a, b, c, out_dtype)
     fn.__name__ = fn.__qualname__ = name
     math = f"{'a.T' if a_t else 'a'} @ {'b' if b_n else 'b.T'}"
     fn.__doc__ = _BF16_DOC.format(

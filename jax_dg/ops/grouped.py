@@ -4,7 +4,7 @@ BF16, and the k-grouped FP8 weight-gradient GEMM.
 Outputs are fully defined: with `clean=True` (default) the rows DeepGEMM leaves unspecified
 (padding rows of the contiguous layout, rows past masked_m) are set to 0 inside the same custom
 call, by jax_dg's own kernel (kernels/zero_rows.cu) that writes only those rows: no pass over
-the rest of d (the psum layout and non-default compiled_dims clean with an XLA select).
+the rest of d (the psum layout and the nn form clean with an XLA select).
 `clean=False` skips it and returns DeepGEMM's output as is; where a's padding
 rows are zero (as routing.permute_to_contiguous / _to_masked make them) and only routed rows
 are read back (routing.combine_from_*), that is exact. Index vectors are always brought into
@@ -95,12 +95,12 @@ SM90_CLEAN = SM90 if kernels.available() else frozenset()
 # N splits, all with no collective (every shard holds all experts' weights, or its experts').
 _TIES = {"ma": ("m", "aligned", 4), "kb": ("k", "blocks", 128), "nb": ("n", "blocks", 128)}
 CONTIGUOUS_SHARDING = Sharding(
-    lambda names, *, mk_alignment, clean: Layout(
+    lambda names, *, mk_alignment, clean, compiled_dims=None: Layout(
         {"a": "m k", "sfa": "kb ma", "b": "g n k", "sfb": "g nb kb", "grouped_layout": "m"}, ["m n"],
         multiple={"m": mk_alignment}),
     free=frozenset({"m", "n"}), tied=_TIES)
 MASKED_SHARDING = Sharding(
-    lambda names, *, expected_m, clean: Layout(
+    lambda names, *, expected_m, clean, compiled_dims=None: Layout(
         {"a": "g r k", "sfa": "g kb ra", "b": "g n k", "sfb": "g nb kb", "masked_m": "g"}, ["g r n"]),
     free=frozenset({"g", "n"}), tied=_TIES)
 
@@ -108,7 +108,7 @@ MASKED_SHARDING = Sharding(
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
 
 def _contiguous_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, grouped_layout, *, mk_alignment, clean):
+    def rule(a, sfa, b, sfb, grouped_layout, *, mk_alignment, clean, compiled_dims=None):
         ck = Checker(name)
         _, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=False,
                                          mk_alignment=mk_alignment)
@@ -136,10 +136,11 @@ def _zero_padding_rows(dg, d, grouped_layout, mk_alignment, kind, clean):
         dg.zero_padding_rows(d, grouped_layout, mk_alignment, skip)
 
 
-def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, clean):
+def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, clean,
+                        compiled_dims=None):
     _use_alignment(dg, mk_alignment)
     dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
-                                        grouped_layout)
+                                        grouped_layout, **rt.dims(compiled_dims))
     _zero_padding_rows(dg, d, grouped_layout, mk_alignment, "fp8", clean)
 
 
@@ -148,7 +149,7 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
     rule=_contiguous_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_contiguous_run,
-    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, clean: ref.m_grouped_fp8_gemm_nt_contiguous(
+    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, clean, compiled_dims=None: ref.m_grouped_fp8_gemm_nt_contiguous(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, layout, mk_alignment=mk_alignment),
     symbols=("m_grouped_fp8_gemm_nt_contiguous", "zero_padding_rows"),
     graph_safe=SM90_CLEAN,
@@ -158,19 +159,19 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
 _bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
-def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, clean):
+def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, clean, compiled_dims=None):
     _use_alignment(dg, mk_alignment)
-    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, **rt.dims(compiled_dims))
     _zero_padding_rows(dg, d, grouped_layout, mk_alignment, "bf16", clean)
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
     name="m_grouped_bf16_gemm_nt_contiguous",
     args=("a", "b", "grouped_layout"),
-    rule=lambda a, b, grouped_layout, *, mk_alignment, clean: _bf16_contiguous_rule(
-        a, None, b, None, grouped_layout, mk_alignment=mk_alignment, clean=clean),
+    rule=lambda a, b, grouped_layout, **static: _bf16_contiguous_rule(a, None, b, None, grouped_layout,
+                                                                      **static),
     run=_bf16_contiguous_run,
-    reference=lambda a, b, layout, *, mk_alignment, clean: ref.m_grouped_bf16_gemm_nt_contiguous(
+    reference=lambda a, b, layout, *, mk_alignment, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_contiguous(
         a, b, layout, mk_alignment=mk_alignment),
     symbols=("m_grouped_bf16_gemm_nt_contiguous", "zero_padding_rows"),
     graph_safe=SM90_CLEAN,
@@ -178,7 +179,7 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 )
 
 
-def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
+def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean, compiled_dims=None):
     clean = ck.static_bool(clean, "clean")
     ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
     # Ids outside [-1, G) become padding (-1), with or without `clean`: DeepGEMM would read
@@ -187,7 +188,7 @@ def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean):
                    f"must hold group ids in [0, G = {num_groups}) or -1 (padding)", grouped_layout)
     grouped_layout = jnp.where((grouped_layout >= 0) & (grouped_layout < num_groups), grouped_layout, -1)
     (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout(),
-              clean=clean)
+              clean=clean, compiled_dims=compiled_dims)
     return d
 
 
@@ -215,33 +216,34 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     clean=True (default): padding rows are 0 in d; jax_dg's kernel writes only the padding
     rows of blocks that hold routed rows (DeepGEMM's SM90 FP8 kernel writes the others as 0;
     the BF16 form and other GPUs zero every padding row). That holds for layouts that keep the
-    contract above (a block that starts with padding holds only padding). With the psum layout
-    or a compiled_dims other than "nk", clean=True is a select in XLA over d instead. clean=False: d straight from DeepGEMM; padding rows
+    contract above (a block that starts with padding holds only padding). With the psum layout,
+    clean=True is a select in XLA over d instead. clean=False: d straight from DeepGEMM; padding rows
     hold 0 or a[r] @ b[g].T for the group g of their block (so 0 where a's padding rows are 0,
     as routing.permute_to_contiguous makes them).
     use_psum_layout=True: grouped_layout is instead int32 [G], psum[j] = the end row (exclusive)
     of group j, whose rows run from align(psum[j-1], A) (0 for j = 0) to psum[j]; M % A == 0
     still (jax_dg.routing.psum_layout builds it from top-k ids). Offsets known while tracing
     (numpy, lists, constants) must be non-decreasing and in [0, M] (ArgumentError); traced
-    ones are clipped to [0, M] and to their running maximum with clean=True (a decreasing
-    entry makes its group empty) and rows in no group are 0; with clean=False they go to
-    DeepGEMM as they are (rows outside groups unspecified; bad offsets: unspecified rows, reads
-    past a). expected_m_for_psum_layout: static rows-per-group hint (psum layout only).
+    ones are clipped to [0, M] and to their running maximum before DeepGEMM reads them
+    (always; a decreasing entry makes its group empty; under `jax_dg.checked()` they raise
+    instead). Rows in no group are 0 with clean=True, unspecified with clean=False.
+    expected_m_for_psum_layout: static rows-per-group hint (psum layout only).
     Sharding: the psum form runs whole (operands gathered).
-    compiled_dims: static string of the dims DeepGEMM compiles in ('nk' by default; letters of
-    'mnk'): speed only, the same results.
+    compiled_dims: static string of the dims DeepGEMM compiles in (distinct letters of 'mnk';
+    DeepGEMM's default 'nk'): speed only, the same results.
     """
     ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
     _psum_doc_check(ck, use_psum_layout, expected_m_for_psum_layout)
-    if use_psum_layout or compiled_dims not in (None, "nk"):   # "nk": the default, per-row record
-        return m_grouped_fp8_psum(a, b, grouped_layout, clean=clean, use_psum_layout=use_psum_layout,
-                                  expected_m=expected_m_for_psum_layout, compiled_dims=compiled_dims)
+    dims = ck.compiled_dims(compiled_dims)
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
     ck.ndim(bv, "b[0]", 3, "[G, N, K]")
     sfa = _fp8_scales(ck, av, sfa, bv, sfb, masked=False)
+    if use_psum_layout:
+        return _psum_contiguous(M_GROUPED_FP8_PSUM, ck, (av, sfa, bv, sfb), av.shape[0], grouped_layout,
+                                clean, expected_m_for_psum_layout, dims)
     return _contiguous(M_GROUPED_FP8_CONTIGUOUS, ck, (av, sfa, bv, sfb), bv.shape[0],
-                       grouped_layout, clean)
+                       grouped_layout, clean, dims)
 
 
 @exposes(M_GROUPED_BF16_CONTIGUOUS)   # and M_GROUPED_BF16_PSUM (marked where it is declared)
@@ -256,17 +258,19 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = Tru
     [G, K, N]: m_grouped_bf16_gemm_nn_contiguous."""
     ck = Checker("m_grouped_bf16_gemm_nt_contiguous")
     _psum_doc_check(ck, use_psum_layout, expected_m_for_psum_layout)
-    if use_psum_layout or compiled_dims not in (None, "nk"):   # "nk": the default, per-row record
-        return m_grouped_bf16_psum(a, b, grouped_layout, clean=clean, use_psum_layout=use_psum_layout,
-                                   expected_m=expected_m_for_psum_layout, compiled_dims=compiled_dims)
+    dims = ck.compiled_dims(compiled_dims)
     ck.ndim(b, "b", 3, "[G, N, K]")
-    return _contiguous(M_GROUPED_BF16_CONTIGUOUS, ck, (a, b), b.shape[0], grouped_layout, clean)
+    if use_psum_layout:
+        ck.ndim(a, "a", 2, "[M, K]")
+        return _psum_contiguous(M_GROUPED_BF16_PSUM, ck, (a, b), a.shape[0], grouped_layout, clean,
+                                expected_m_for_psum_layout, dims)
+    return _contiguous(M_GROUPED_BF16_CONTIGUOUS, ck, (a, b), b.shape[0], grouped_layout, clean, dims)
 
 
 # --- m-grouped, masked layout -------------------------------------------------------------------
 
 def _masked_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, masked_m, *, expected_m, clean):
+    def rule(a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None):
         ck = Checker(name)
         g, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=True)
         ck.tensor(masked_m, "masked_m", [I32], (g,), "[G]")
@@ -275,9 +279,9 @@ def _masked_rule(name: str, fp8: bool):
     return rule
 
 
-def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m, clean):
+def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m, clean, compiled_dims=None):
     dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
-                                    expected_m)
+                                    expected_m, **rt.dims(compiled_dims))
     if clean:   # DeepGEMM never writes the blocks past masked_m: stale memory
         dg.zero_masked_tail(d, masked_m)
 
@@ -287,7 +291,7 @@ M_GROUPED_FP8_MASKED = Op(
     args=("a", "sfa", "b", "sfb", "masked_m"),
     rule=_masked_rule("m_grouped_fp8_gemm_nt_masked", fp8=True),
     run=_fp8_masked_run,
-    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m, clean: ref.m_grouped_fp8_gemm_nt_masked(
+    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_fp8_gemm_nt_masked(
         a, mn_major_logical(sfa, a.shape[1]), b, sfb, masked_m, expected_m=expected_m),
     symbols=("m_grouped_fp8_gemm_nt_masked", "zero_masked_tail"),
     graph_safe=SM90_CLEAN,
@@ -297,8 +301,8 @@ M_GROUPED_FP8_MASKED = Op(
 _bf16_masked_rule = _masked_rule("m_grouped_bf16_gemm_nt_masked", fp8=False)
 
 
-def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean):
-    dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)
+def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean, compiled_dims=None):
+    dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, **rt.dims(compiled_dims))
     if clean:
         dg.zero_masked_tail(d, masked_m)
 
@@ -306,10 +310,9 @@ def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean):
 M_GROUPED_BF16_MASKED = Op(
     name="m_grouped_bf16_gemm_nt_masked",
     args=("a", "b", "masked_m"),
-    rule=lambda a, b, masked_m, *, expected_m, clean: _bf16_masked_rule(
-        a, None, b, None, masked_m, expected_m=expected_m, clean=clean),
+    rule=lambda a, b, masked_m, **static: _bf16_masked_rule(a, None, b, None, masked_m, **static),
     run=_bf16_masked_run,
-    reference=lambda a, b, masked_m, *, expected_m, clean: ref.m_grouped_bf16_gemm_nt_masked(
+    reference=lambda a, b, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_masked(
         a, b, masked_m, expected_m=expected_m),
     symbols=("m_grouped_bf16_gemm_nt_masked", "zero_masked_tail"),
     graph_safe=SM90_CLEAN,
@@ -317,7 +320,7 @@ M_GROUPED_BF16_MASKED = Op(
 )
 
 
-def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
+def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean, compiled_dims=None):
     clean = ck.static_bool(clean, "clean")
     expected_m = ck.static_int(expected_m, "expected_m", 1)
     ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
@@ -326,12 +329,14 @@ def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean):
     values.require(ck.op, "masked_m", (masked_m >= 0) & (masked_m <= max_m),
                    f"must lie in [0, Mmax = {max_m}]", masked_m)
     masked_m = jnp.clip(masked_m, 0, max_m)
-    (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=clean)
+    (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=clean,
+              compiled_dims=ck.compiled_dims(compiled_dims))
     return d
 
 
 @exposes(M_GROUPED_FP8_MASKED)
-def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool = True) -> jax.Array:
+def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool = True,
+                                 compiled_dims: str | None = None) -> jax.Array:
     """MoE experts on per-expert batches: d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T
     (DeepGEMM m_grouped_fp8_gemm_nt_masked, old name fp8_m_grouped_gemm_nt_masked).
 
@@ -345,6 +350,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     clean=True (default): rows >= masked_m[g] are 0 (written by jax_dg's kernel, which
     touches only those rows). clean=False: d straight from DeepGEMM (rows >= masked_m[g]
     unspecified).
+    compiled_dims: static, the dims DeepGEMM compiles in (distinct letters of 'mnk'; DeepGEMM's
+    default 'nk'): speed only, the same results.
     """
     ck = Checker("m_grouped_fp8_gemm_nt_masked")
     av, sfa = ck.pair(a, "a")
@@ -352,20 +359,22 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     ck.ndim(av, "a[0]", 3, "[G, Mmax, K]")
     sfa = _fp8_scales(ck, av, sfa, bv, sfb, masked=True)
     return _masked(M_GROUPED_FP8_MASKED, ck, (av, sfa, bv, sfb), av.shape[1], masked_m, expected_m,
-                   clean)
+                   clean, compiled_dims)
 
 
 fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked  # DeepGEMM's (and vLLM's) old name
 
 
 @exposes(M_GROUPED_BF16_MASKED)
-def m_grouped_bf16_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool = True) -> jax.Array:
+def m_grouped_bf16_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool = True,
+                                  compiled_dims: str | None = None) -> jax.Array:
     """BF16 m_grouped_fp8_gemm_nt_masked: a bfloat16 [G, Mmax, K], b bfloat16 [G, N, K],
     masked_m int32 [G] -> d bfloat16 [G, Mmax, N] (DeepGEMM m_grouped_bf16_gemm_nt_masked).
-    Same `clean` and Mmax rule; K % 64 == 0."""
+    Same `clean`, Mmax rule and compiled_dims; K % 64 == 0."""
     ck = Checker("m_grouped_bf16_gemm_nt_masked")
     ck.ndim(a, "a", 3, "[G, Mmax, K]")
-    return _masked(M_GROUPED_BF16_MASKED, ck, (a, b), a.shape[1], masked_m, expected_m, clean)
+    return _masked(M_GROUPED_BF16_MASKED, ck, (a, b), a.shape[1], masked_m, expected_m, clean,
+                   compiled_dims)
 
 
 # --- k-grouped (weight gradients), SM90 -----------------------------------------------------------
@@ -381,7 +390,7 @@ def _k_grouped_c(ck: Checker, c, ks):
     return g, m, n
 
 
-def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
+def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks, compiled_dims=None):
     ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
     g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(n % 4 == 0, "c", "must have N % 4 == 0 (16-byte rows of the float32 d)", n)
@@ -394,9 +403,10 @@ def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks):
     return [jax.ShapeDtypeStruct((g, m, n), F32)]
 
 
-def _k_grouped_run(dg, a, sfa, b, sfb, ks_tensor, c, d, *, ks):
+def _k_grouped_run(dg, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims=None):
     # DeepGEMM reads the scales as [M, sum(ks)/128] MN-major: the transposed views of ours.
-    dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c)
+    dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c,
+                                        **rt.dims(compiled_dims))
 
 
 K_GROUPED_FP8 = Op(
@@ -404,7 +414,7 @@ K_GROUPED_FP8 = Op(
     args=("a", "sfa", "b", "sfb", "ks_tensor", "c"),
     rule=_k_grouped_rule,
     run=_k_grouped_run,
-    reference=ref.k_grouped_fp8_gemm_nt_contiguous,
+    reference=lambda *arrays, ks, compiled_dims=None: ref.k_grouped_fp8_gemm_nt_contiguous(*arrays, ks=ks),
     symbols=("k_grouped_fp8_gemm_nt_contiguous",),
     aliases={"c": 0},
     archs=frozenset({"sm90"}),
@@ -421,7 +431,7 @@ def _static_ks(ck: Checker, ks) -> list[int]:
 
 
 @exposes(K_GROUPED_FP8)
-def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
+def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c, compiled_dims: str | None = None) -> jax.Array:
     """Grouped weight gradients: d[g] = c[g] + A_g @ B_g.T, with group g's K = ks[g] (DeepGEMM
     k_grouped_fp8_gemm_nt_contiguous; its SM90 kernel, recipe (1, 1, 128)).
 
@@ -431,6 +441,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     b: the same with N.
     ks: static list of each group's K, multiples of 128 (0 = empty group: d[g] = c[g]).
     c: float32 [G, M, N], required (XLA may donate it to d). N % 4 == 0.
+    compiled_dims: static, letters of 'mnk' ('mn' by default): speed only.
     Returns d float32 [G, M, N].
     """
     ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
@@ -439,7 +450,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
     ks = _static_ks(ck, ks)
     ck.that(c is not None, "c", "is required (d = c + a @ b.T)")
     ks_tensor = jnp.asarray(ks, dtype=I32)
-    (d,) = K_GROUPED_FP8(av, sfa, bv, sfb, ks_tensor, c, ks=ks)
+    (d,) = K_GROUPED_FP8(av, sfa, bv, sfb, ks_tensor, c, ks=ks, compiled_dims=ck.compiled_dims(compiled_dims))
     return d
 
 
@@ -448,22 +459,8 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c) -> jax.Array:
 # DeepGEMM's use_psum_layout=True: grouped_layout is int32 [G], psum[j] = the end (exclusive) of
 # group j's rows; group j runs from align(psum[j - 1], A) (0 for j = 0) to psum[j], A =
 # get_mk_alignment_for_contiguous_layout(). Rows in no group are unspecified in DeepGEMM (0
-# here with clean=True). These ops are new records (the per-row-id ops above are unchanged);
-# they also carry compiled_dims, so a call that gives compiled_dims with per-row ids runs here.
-
-COMPILED_DIMS = "mnk"
-
-
-def check_compiled_dims(ck: Checker, compiled_dims, default: str) -> str:
-    """DeepGEMM's `compiled_dims`: the GEMM dims (letters of 'mnk', each at most once) compiled
-    into the kernel as constants; it changes speed, never results. None: DeepGEMM's default."""
-    if compiled_dims is None:
-        return default
-    ck.that(isinstance(compiled_dims, str) and set(compiled_dims) <= set(COMPILED_DIMS)
-            and len(set(compiled_dims)) == len(compiled_dims), "compiled_dims",
-            "must be a static string of distinct letters of 'mnk' (e.g. 'nk', 'mn')", repr(compiled_dims))
-    return compiled_dims
-
+# here with clean=True, a select in XLA). These records also run the grouped nn form, with
+# either layout.
 
 def _psum_rule(name: str, fp8: bool, nn: bool = False):
     def rule(a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
@@ -482,7 +479,7 @@ def _psum_rule(name: str, fp8: bool, nn: bool = False):
 
 
 def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
-    kw = {"compiled_dims": compiled_dims}
+    kw = rt.dims(compiled_dims)
     if use_psum_layout:
         kw["use_psum_layout"] = True
         if expected_m:
@@ -588,43 +585,16 @@ def _psum_doc_check(ck: Checker, use_psum_layout, expected_m):
             "is only taken with use_psum_layout=True (DeepGEMM asserts it)", expected_m)
 
 
-def _with_ids(op, dims):
+def _with_ids(op):
     """`op` (one of the records above) called the way _contiguous calls the per-row-id ops.
     These records do not run the cleaning kernel: clean=True is a select in XLA here."""
-    def call(*xs, mk_alignment, clean):
+    def call(*xs, mk_alignment, clean, compiled_dims):
         (d,) = op(*xs, mk_alignment=mk_alignment, use_psum_layout=False, expected_m=0,
-                  compiled_dims=dims)
+                  compiled_dims=compiled_dims)
         if clean:
             d = jnp.where((xs[-1] >= 0)[:, None], d, jnp.zeros((), d.dtype))
         return (d,)
     return call
-
-
-def m_grouped_fp8_psum(a, b, grouped_layout, *, clean, use_psum_layout, expected_m, compiled_dims):
-    """m_grouped_fp8_gemm_nt_contiguous with the psum layout or compiled_dims: see its docstring."""
-    ck = Checker("m_grouped_fp8_gemm_nt_contiguous")
-    av, sfa = ck.pair(a, "a")
-    bv, sfb = ck.pair(b, "b")
-    ck.ndim(bv, "b[0]", 3, "[G, N, K]")
-    sfa = _fp8_scales(ck, av, sfa, bv, sfb, masked=False)
-    dims = check_compiled_dims(ck, compiled_dims, "nk")
-    if not use_psum_layout:
-        return _contiguous(_with_ids(M_GROUPED_FP8_PSUM, dims), ck, (av, sfa, bv, sfb), bv.shape[0],
-                           grouped_layout, clean)
-    return _psum_contiguous(M_GROUPED_FP8_PSUM, ck, (av, sfa, bv, sfb), av.shape[0], grouped_layout,
-                            clean, expected_m, dims)
-
-
-def m_grouped_bf16_psum(a, b, grouped_layout, *, clean, use_psum_layout, expected_m, compiled_dims):
-    """m_grouped_bf16_gemm_nt_contiguous with the psum layout or compiled_dims: see its docstring."""
-    ck = Checker("m_grouped_bf16_gemm_nt_contiguous")
-    ck.ndim(b, "b", 3, "[G, N, K]")
-    ck.ndim(a, "a", 2, "[M, K]")
-    dims = check_compiled_dims(ck, compiled_dims, "nk")
-    if not use_psum_layout:
-        return _contiguous(_with_ids(M_GROUPED_BF16_PSUM, dims), ck, (a, b), b.shape[0], grouped_layout, clean)
-    return _psum_contiguous(M_GROUPED_BF16_PSUM, ck, (a, b), a.shape[0], grouped_layout, clean,
-                            expected_m, dims)
 
 
 @exposes(M_GROUPED_BF16_NN_CONTIGUOUS)
@@ -641,12 +611,12 @@ def m_grouped_bf16_gemm_nn_contiguous(a, b, grouped_layout, *, clean: bool = Tru
     _psum_doc_check(ck, use_psum_layout, None)
     ck.ndim(b, "b", 3, "[G, K, N]")
     ck.ndim(a, "a", 2, "[M, K]")
-    dims = check_compiled_dims(ck, compiled_dims, "nk")
+    dims = ck.compiled_dims(compiled_dims)
     if use_psum_layout:
         return _psum_contiguous(M_GROUPED_BF16_NN_CONTIGUOUS, ck, (a, b), a.shape[0], grouped_layout,
                                 clean, None, dims)
-    return _contiguous(_with_ids(M_GROUPED_BF16_NN_CONTIGUOUS, dims), ck, (a, b), b.shape[0],
-                       grouped_layout, clean)
+    return _contiguous(_with_ids(M_GROUPED_BF16_NN_CONTIGUOUS), ck, (a, b), b.shape[0],
+                       grouped_layout, clean, dims)
 
 
 # --- k-grouped BF16 (weight gradients in BF16) ----------------------------------------------------
@@ -697,6 +667,6 @@ def k_grouped_bf16_gemm_tn_contiguous(a, b, ks, *, c, compiled_dims: str | None 
     ks = _static_ks(ck, ks)
     ck.that(c is not None, "c", "is required (d = c + a.T @ b)")
     ck.array(c, "c")
-    dims = check_compiled_dims(ck, compiled_dims, "mn")
+    dims = ck.compiled_dims(compiled_dims)
     (d,) = K_GROUPED_BF16(a, b, jnp.asarray(ks, dtype=I32), c, ks=ks, compiled_dims=dims)
     return d
