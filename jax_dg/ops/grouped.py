@@ -636,7 +636,7 @@ def _k_grouped_bf16_run(dg, a, b, ks_tensor, c, d, *, ks, compiled_dims):
     # upstream's test runs it at mk alignment 128 ("TODO: support arbitrary alignment"): the
     # alignment the checked ks are multiples of
     _use_alignment(dg, 128)
-    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, compiled_dims=compiled_dims)
+    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, **rt.dims(compiled_dims))
 
 
 K_GROUPED_BF16 = Op(

@@ -18,3 +18,10 @@ def expand_scales(sf: torch.Tensor, rows: int, cols: int, gran_rows: int, gran_c
 def dequant(x: torch.Tensor, sf: torch.Tensor, gran_rows: int, gran_cols: int) -> torch.Tensor:
     """float32 values of an FP8 tensor whose last two dims carry block scales."""
     return x.float() * expand_scales(sf, x.shape[-2], x.shape[-1], gran_rows, gran_cols)
+
+
+def check_dims(compiled_dims) -> None:
+    """DeepGEMM's bindings take compiled_dims as a string: anything else (None too) is a
+    TypeError there, so it is one here."""
+    if not isinstance(compiled_dims, str):
+        raise TypeError(f"compiled_dims: expected str (as deep_gemm's binding), got {compiled_dims!r}")

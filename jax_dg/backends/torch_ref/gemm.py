@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jax_dg.backends.torch_ref.common import dequant
+from jax_dg.backends.torch_ref.common import check_dims, dequant
 
 __all__ = ["fp8_gemm_nt"]
 
@@ -15,8 +15,10 @@ def _fp8_operands(a, b, recipe):
     return dequant(av, sfa, gm, gk), dequant(bv, sfb, gn, gk)
 
 
-def fp8_gemm_nt(a, b, d, c=None, recipe=None, **_unused) -> None:
+def fp8_gemm_nt(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk",
+                disable_ue8m0_cast=False) -> None:
     """d = a @ b.T (+ c), FP8 operands with block scales, fp32 accumulation."""
+    check_dims(compiled_dims)
     x, w = _fp8_operands(a, b, recipe)
     out = x @ w.T
     if c is not None:
@@ -31,6 +33,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, d, head_splits, recipe=None, compiled_dims="
                               disable_ue8m0_cast=False) -> None:
     """a @ b.T's columns, (left + right) per head, written around each head's `mid` columns of
     d [M, N + N / (left + right) * mid], which are not touched."""
+    check_dims(compiled_dims)
     left, mid, right = head_splits
     x, w = _fp8_operands(a, b, recipe)
     m, n = x.shape[0], w.shape[0]
@@ -63,6 +66,7 @@ fp8_gemm_nn, fp8_gemm_tn, fp8_gemm_tt = _layouts(fp8_gemm_nt, "fp8_gemm")
 
 def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk") -> None:
     """d = a @ b.T (+ c), float32 accumulation."""
+    check_dims(compiled_dims)
     out = a.float() @ b.float().T
     if c is not None:
         out = out + c.float()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.common import dequant
+from jax_dg.backends.torch_ref.common import check_dims, dequant
 from jax_dg.contracts import LEGACY_MK_ALIGNMENT
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
@@ -60,22 +60,26 @@ def _masked(x, w, d, masked_m):
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, compiled_dims="nk",
-                                     use_psum_layout=False, expected_m_for_psum_layout=None,
-                                     **_unused) -> None:
+                                     disable_ue8m0_cast=False, use_psum_layout=False,
+                                     expected_m_for_psum_layout=None) -> None:
     """d[r] = a[r] @ b[grouped_layout[r]].T; rows with id -1 (padding) -> 0. With
     use_psum_layout, grouped_layout [G] holds each group's end row."""
+    check_dims(compiled_dims)
     _check(use_psum_layout or expected_m_for_psum_layout is None, "not expected_m_for_psum_layout")
     _contiguous(dequant(*a, 1, 128), dequant(*b, 128, 128), d, grouped_layout, use_psum_layout)
 
 
-def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, **_unused) -> None:
+def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, compiled_dims="nk",
+                                 disable_ue8m0_cast=False) -> None:
     """d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T; the remaining rows -> 0."""
+    check_dims(compiled_dims)
     _masked(dequant(*a, 1, 128), dequant(*b, 128, 128), d, masked_m)
 
 
 def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_tensor, c=None, recipe=(1, 1, 128),
                                      compiled_dims="mn") -> None:
     """d[g] = c[g] + A_g @ B_g.T; A_g is a[0]'s block g viewed [M, ks[g]], scaled by a[1][m, kb]."""
+    check_dims(compiled_dims)
     (av, sfa), (bv, sfb) = a, b
     _, m, n = d.shape
     out = c.float().clone() if c is not None else torch.zeros(d.shape, device=d.device)
@@ -92,6 +96,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks, ks_tensor, c=None, recipe=(1, 
 
 def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk",
                                       use_psum_layout=False, expected_m_for_psum_layout=None) -> None:
+    check_dims(compiled_dims)
     _check(use_psum_layout or expected_m_for_psum_layout is None, "not expected_m_for_psum_layout")
     _contiguous(a.float(), b.float(), d, grouped_layout, use_psum_layout)
 
@@ -109,12 +114,14 @@ def _check(ok: bool, what: str) -> None:
 
 
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:
+    check_dims(compiled_dims)
     _masked(a.float(), b.float(), d, masked_m)
 
 
 
 def k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, ks_tensor, c=None, compiled_dims="mn") -> None:
     """d[g] = c[g] + a[rows_g].T @ b[rows_g] (float32); DeepGEMM requires c."""
+    check_dims(compiled_dims)
     _check(c is not None, "c.has_value()")
     out, off = c.float().clone(), 0
     for g, kg in enumerate(ks):
