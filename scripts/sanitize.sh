@@ -9,8 +9,9 @@
 #                                                 (tests/test_values.py, small shapes)
 #   scripts/sanitize.sh files                    the GPU test files, one a line (to split a run)
 #   scripts/sanitize.sh sweep memcheck|initcheck  the tool's default files split over JOBS
-#                                                 (default 4) sanitizer processes at once on
-#                                                 the one GPU (logs TOOL.0 ... TOOL.<JOBS-1>)
+#                                                 (default 3) sanitizer processes at once on
+#                                                 the one GPU (logs TOOL.0 ... TOOL.<JOBS-1>;
+#                                                 6 at once ran an H200 out of memory)
 #
 # e.g. scripts/sanitize.sh memcheck tests/ops/test_grouped.py -k masked
 # Settings (perf_facts.md: with XLA's defaults the sanitizer segfaults at start-up): XLA's
@@ -70,7 +71,7 @@ sweep() {   # sweep TOOL: TOOL's default files, round-robin over JOBS concurrent
   local tool=$1 files i=0 j rc=0
   local -a groups=() pids=()
   if [ "$tool" = memcheck ]; then files=$(gpu_files | grep -v "tests/core/test_capture.py"); else files=$INITCHECK_FILES; fi
-  for f in $files; do groups[$((i % ${JOBS:-4}))]+=" $f"; i=$((i + 1)); done
+  for f in $files; do groups[$((i % ${JOBS:-3}))]+=" $f"; i=$((i + 1)); done
   for j in "${!groups[@]}"; do
     # shellcheck disable=SC2086   # the group is a list of files
     sanitize "$tool" "$tool.$j" ${groups[$j]} > "$out/$tool.$j.summary" 2>&1 &
