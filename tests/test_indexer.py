@@ -30,7 +30,7 @@ def test_per_row_cast_matches_deep_gemm_bitwise(keys, shape, use_ue8m0):
     x = jax.random.normal(keys(), shape, jnp.bfloat16) * 3
     x = x.at[1].set(0)                                   # an all-zero row: the 1e-4 floor
     values, sf = jax.jit(lambda x: jax_dg.per_row_cast_to_fp8(x, use_ue8m0=use_ue8m0))(x)
-    tv, tsf = deep_gemm_per_custom_dims_cast_to_fp8(torch.from_numpy(np.asarray(x, np.float32)).bfloat16(),
+    tv, tsf = deep_gemm_per_custom_dims_cast_to_fp8(torch.from_numpy(np.array(x, np.float32)).bfloat16(),
                                                      (0,), use_ue8m0)
     assert values.dtype == jnp.float8_e4m3fn and values.shape == shape
     assert sf.dtype == jnp.float32 and sf.shape == (shape[0],)

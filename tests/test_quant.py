@@ -55,7 +55,7 @@ def jnp_bits(x):
 def test_per_token_cast_is_bitwise_deep_gemms(keys, shape, dtype, use_ue8m0):
     x = jax.random.normal(keys(), shape, jnp.float32).astype(dtype) * 3
     values, sf = jax.jit(lambda x: jax_dg.per_token_cast_to_fp8(x, use_ue8m0=use_ue8m0))(x)
-    tv, tsf = dg_per_token(torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(
+    tv, tsf = dg_per_token(torch.from_numpy(np.array(x.astype(jnp.float32))).to(
         torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32), use_ue8m0)
     np.testing.assert_array_equal(jnp_bits(values), to_np(tv))
     np.testing.assert_array_equal(np.asarray(sf), to_np(tsf))
@@ -66,7 +66,7 @@ def test_per_token_cast_is_bitwise_deep_gemms(keys, shape, dtype, use_ue8m0):
 def test_per_block_cast_is_bitwise_deep_gemms(keys, shape, use_ue8m0):
     x = jax.random.normal(keys(), shape, jnp.bfloat16)
     values, sf = jax.jit(lambda x: jax_dg.per_block_cast_to_fp8(x, use_ue8m0=use_ue8m0))(x)
-    tv, tsf = dg_per_block(torch.from_numpy(np.asarray(x.astype(jnp.float32))).bfloat16(), use_ue8m0)
+    tv, tsf = dg_per_block(torch.from_numpy(np.array(x.astype(jnp.float32))).bfloat16(), use_ue8m0)
     np.testing.assert_array_equal(jnp_bits(values), to_np(tv))
     np.testing.assert_array_equal(np.asarray(sf), to_np(tsf))
 
@@ -74,9 +74,9 @@ def test_per_block_cast_is_bitwise_deep_gemms(keys, shape, use_ue8m0):
 def test_ceil_to_ue8m0_and_pack(keys):
     x = jnp.abs(jax.random.normal(keys(), (8, 16))) + 1e-3
     np.testing.assert_array_equal(np.asarray(jax_dg.ceil_to_ue8m0(x)),
-                                  dg_ceil_to_ue8m0(torch.from_numpy(np.asarray(x))).numpy())
+                                  dg_ceil_to_ue8m0(torch.from_numpy(np.array(x))).numpy())
     p = jax_dg.pack_ue8m0_to_int(jax_dg.ceil_to_ue8m0(x))
-    ref = (dg_ceil_to_ue8m0(torch.from_numpy(np.asarray(x))).view(torch.int) >> 23).to(torch.uint8).view(torch.int)
+    ref = (dg_ceil_to_ue8m0(torch.from_numpy(np.array(x))).view(torch.int) >> 23).to(torch.uint8).view(torch.int)
     np.testing.assert_array_equal(np.asarray(p), ref.numpy())
 
 
