@@ -8,7 +8,7 @@
 #   scripts/sanitize.sh values [pytest args]     memcheck over the out-of-range value cases only
 #                                                 (tests/test_values.py, small shapes)
 #   scripts/sanitize.sh files                    the GPU test files, one a line (to split a run)
-#   scripts/sanitize.sh sweep memcheck|initcheck  the tool's default files split over JOBS
+#   scripts/sanitize.sh sweep memcheck|initcheck  the tool's default tests dealt over JOBS
 #                                                 (default 3) sanitizer processes at once on
 #                                                 the one GPU (logs TOOL.0 ... TOOL.<JOBS-1>;
 #                                                 6 at once ran an H200 out of memory)
@@ -67,18 +67,23 @@ sanitize() {   # sanitize TOOL NAME PYTEST-ARGS...
   return $rc
 }
 
-sweep() {   # sweep TOOL: TOOL's default files, round-robin over JOBS concurrent runs
-  local tool=$1 files i=0 j rc=0
-  local -a groups=() pids=()
-  if [ "$tool" = memcheck ]; then files=$(gpu_files | grep -v "tests/core/test_capture.py"); else files=$INITCHECK_FILES; fi
-  for f in $files; do groups[$((i % ${JOBS:-3}))]+=" $f"; i=$((i + 1)); done
+sweep() {   # sweep TOOL: TOOL's default tests, dealt one by one over JOBS concurrent runs
+  local tool=$1 i=0 j rc=0 id
+  local -a groups=() pids=() paths
+  if [ "$tool" = memcheck ]; then paths=(tests --ignore=tests/core/test_capture.py); else read -ra paths <<< "$INITCHECK_FILES"; fi
+  # test by test, not file by file: the heavy GEMM tests spread over all runs
+  while read -r id; do
+    groups[$((i % ${JOBS:-3}))]+=" $id"; i=$((i + 1))
+  done < <("$py" -m pytest --collect-only -q -m gpu -p no:cacheprovider "${paths[@]}" 2>/dev/null | grep "::")
   for j in "${!groups[@]}"; do
-    # shellcheck disable=SC2086   # the group is a list of files
+    # shellcheck disable=SC2086   # the group is a list of test ids
     sanitize "$tool" "$tool.$j" ${groups[$j]} > "$out/$tool.$j.summary" 2>&1 &
     pids+=($!)
   done
   for j in "${!pids[@]}"; do wait "${pids[$j]}" || rc=1; done
-  for j in "${!groups[@]}"; do echo "--- $tool.$j:${groups[$j]}"; cat "$out/$tool.$j.summary"; done
+  for j in "${!groups[@]}"; do
+    echo "--- $tool.$j: $(wc -w <<< "${groups[$j]}") tests"; cat "$out/$tool.$j.summary"
+  done
   return $rc
 }
 
