@@ -35,9 +35,13 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 # Ops whose outputs are fully defined (no position left unwritten for the caller): the GEMMs,
 # the grouped GEMMs (clean), top-k, the schedule metadata and the value cases. The logits ops'
 # view masks positions DeepGEMM leaves unwritten with a select, which reads them (a discarded
-# read initcheck would report): they are left to memcheck.
-INITCHECK_FILES="tests/ops/test_gemm.py tests/ops/test_grouped.py tests/ops/test_einsum.py tests/ops/test_compiled_dims.py
+# read initcheck would report): they are left to memcheck, as are the psum and nn grouped forms
+# (tests/ops/test_grouped_layouts.py, test_compiled_dims.py), which clean the same way.
+INITCHECK_FILES="tests/ops/test_gemm.py tests/ops/test_grouped.py tests/ops/test_einsum.py
   tests/ops/test_hyperconnection.py tests/ops/test_topk.py tests/test_values.py"
+# memcheck's default: every GPU test but the capture tests, which assert CUDA-graph replay
+# (the sanitizer's settings turn command buffers off)
+MEMCHECK_PATHS="tests --ignore=tests/core/test_capture.py"
 
 mode=${1:-memcheck}
 shift || true
@@ -70,7 +74,7 @@ sanitize() {   # sanitize TOOL NAME PYTEST-ARGS...
 sweep() {   # sweep TOOL: TOOL's default tests, dealt one by one over JOBS concurrent runs
   local tool=$1 i=0 j rc=0 id
   local -a groups=() pids=() paths
-  if [ "$tool" = memcheck ]; then paths=(tests --ignore=tests/core/test_capture.py); else read -ra paths <<< "$INITCHECK_FILES"; fi
+  if [ "$tool" = memcheck ]; then read -ra paths <<< "$MEMCHECK_PATHS"; else read -ra paths <<< "$INITCHECK_FILES"; fi
   # test by test, not file by file: the heavy GEMM tests spread over all runs
   while read -r id; do
     groups[$((i % ${JOBS:-3}))]+=" $id"; i=$((i + 1))
@@ -88,8 +92,8 @@ sweep() {   # sweep TOOL: TOOL's default tests, dealt one by one over JOBS concu
 }
 
 case $mode in
-  # The capture tests assert CUDA-graph replay, which the sanitizer's settings turn off.
-  memcheck)  [ $# -gt 0 ] || set -- tests --ignore=tests/core/test_capture.py
+  # shellcheck disable=SC2086   # the default lists are word lists
+  memcheck)  [ $# -gt 0 ] || set -- $MEMCHECK_PATHS
              sanitize memcheck memcheck "$@" ;;
   initcheck) [ $# -gt 0 ] || set -- $INITCHECK_FILES
              sanitize initcheck initcheck "$@" ;;

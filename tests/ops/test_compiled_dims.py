@@ -74,15 +74,22 @@ def _bf16_gemm(storage):
     return case
 
 
+MS = [130, 0, 57, 128]   # the m-grouped cases' rows per group (uneven, one empty)
+
+
+def _grouped_rows(keys, gpu):
+    """(ids, x, n, k) of the m-grouped contiguous cases: per-row group ids of MS, a [M, K]."""
+    n, k = (4096, 4096) if gpu else (64, 192)
+    ids = contiguous_layout(MS)
+    return ids, jax.random.normal(keys(), (ids.shape[0], k), BF16), n, k
+
+
 def _contiguous(fp8, psum):
     def case(keys, gpu):
-        n, k = (4096, 4096) if gpu else (64, 192)
-        ms = [130, 0, 57, 128]
-        ids = contiguous_layout(ms)
-        x = jax.random.normal(keys(), (ids.shape[0], k), BF16)
-        w = jax.random.normal(keys(), (len(ms), n, k), BF16)
+        ids, x, n, k = _grouped_rows(keys, gpu)
+        w = jax.random.normal(keys(), (len(MS), n, k), BF16)
         a, b = (cast_a(x), cast_b(w)) if fp8 else (x, w)
-        layout = jnp.asarray(psum_of(ms) if psum else ids)
+        layout = jnp.asarray(psum_of(MS) if psum else ids)
         op = jax_dg.m_grouped_fp8_gemm_nt_contiguous if fp8 else jax_dg.m_grouped_bf16_gemm_nt_contiguous
         fn = lambda a, b, l, dims: op(a, b, l, use_psum_layout=psum, compiled_dims=dims)  # noqa: E731
 
@@ -101,11 +108,8 @@ def _contiguous(fp8, psum):
 
 
 def _bf16_nn(keys, gpu):
-    n, k = (4096, 4096) if gpu else (64, 192)
-    ms = [130, 0, 57, 128]
-    ids = contiguous_layout(ms)
-    x = jax.random.normal(keys(), (ids.shape[0], k), BF16)
-    wn = jax.random.normal(keys(), (len(ms), k, n), BF16)
+    ids, x, n, k = _grouped_rows(keys, gpu)
+    wn = jax.random.normal(keys(), (len(MS), k, n), BF16)
     fn = lambda x, wn, l, dims: jax_dg.m_grouped_bf16_gemm_nn_contiguous(x, wn, l, compiled_dims=dims)  # noqa: E731
 
     def torch_call(dg, dims):
