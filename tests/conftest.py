@@ -18,11 +18,21 @@ import pytest  # noqa: E402
 
 import jax_dg  # noqa: E402
 
-# Set by scripts/sanitize.sh. Under compute-sanitizer (measured on the H200, torch 2.11) torch never
-# releases the segment of a MemPool backed by jax_dg's pluggable allocator (not after
-# torch.cuda.empty_cache either), while a pool on torch's own allocator releases at once: the
-# landing tests' "released at once" checks hold outside the sanitizer only.
-UNDER_SANITIZER = bool(os.environ.get("JAX_DG_SANITIZER"))
+# Set by scripts/sanitize.sh on the sanitized command only.
+UNDER_SANITIZER = os.environ.get("JAX_DG_SANITIZER") == "1"
+
+
+def check_released(ok: bool, message: str) -> None:
+    """The landing's "torch released the landed segment at once". Under compute-sanitizer
+    (measured on the H200, torch 2.11) torch never releases the segment of a MemPool backed by
+    jax_dg's pluggable allocator, not even after torch.cuda.empty_cache(), while a pool on
+    torch's own allocator releases at once. There the check is reported, not asserted."""
+    if UNDER_SANITIZER:
+        if not ok:
+            import warnings
+            warnings.warn(f"not checked under compute-sanitizer: {message}", stacklevel=2)
+        return
+    assert ok, message
 
 
 def has_gpu() -> bool:
