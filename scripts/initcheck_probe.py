@@ -16,16 +16,11 @@ import torch
 
 import jax_dg
 import deep_gemm
+from jax_dg.interop import to_torch
 
 
 def step(tag):
     print(f"=== STEP {tag}", flush=True)
-
-
-def as_torch(v):
-    if v.dtype == jnp.float8_e4m3fn:
-        return torch.from_dlpack(jax.lax.bitcast_convert_type(v, jnp.uint8)).view(torch.float8_e4m3fn)
-    return torch.from_dlpack(v)
 
 
 def main():
@@ -36,7 +31,7 @@ def main():
     w = jax.random.normal(jax.random.fold_in(key, 1), (n, k), jnp.bfloat16)
     a, b = jax_dg.per_token_cast_to_fp8(x), jax_dg.per_block_cast_to_fp8(w)
     jax.block_until_ready((a, b))
-    ta, tb = (as_torch(a[0]), as_torch(a[1])), (as_torch(b[0]), as_torch(b[1]))
+    ta, tb = (to_torch(a[0]), to_torch(a[1])), (to_torch(b[0]), to_torch(b[1]))
     got = {}   # host copies, checked at the end on the host (no device reads of their own)
 
     step("xla_kernel_output (control: expect 0)")

@@ -249,16 +249,17 @@ def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
     dg = deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, to_torch(w), to_torch(ks), to_torch(ke),
                                       clean_logits=True, max_seqlen_k=0)
     tv, _ = torch.topk(dg, 2048, dim=1)
-    ti = to_torch(idx).long()
-    mine = torch.where(ti >= 0, torch.gather(dg, 1, ti.clamp(min=0)), float("-inf"))
-    assert torch.equal(mine, tv)
+
+    def values_at(indices):   # deep_gemm's logits at the indices, -inf at the -1 slots
+        ti = to_torch(indices).long()
+        return torch.where(ti >= 0, torch.gather(dg, 1, ti.clamp(min=0)), float("-inf"))
+    assert torch.equal(values_at(idx), tv)
     for rep in range(20):
         again = f(q, kv, w, ks, ke)
         if not bool(jnp.array_equal(again, idx)):   # say where, for a failure seen only once
             rows = np.flatnonzero((np.asarray(again) != np.asarray(idx)).any(axis=1))
             same_logits = bool(jnp.array_equal(jax.jit(jax_dg.mqa_logits)(q, kv, w, ks, ke), logits))
-            ta = to_torch(again).long()
-            valid = torch.equal(torch.where(ta >= 0, torch.gather(dg, 1, ta.clamp(min=0)), float("-inf")), tv)
+            valid = torch.equal(values_at(again), tv)
             r = rows[:8].tolist()
             pytest.fail(f"repeat {rep}: {rows.size} rows differ from the first call (rows {r}, ks "
                         f"{np.asarray(ks)[r].tolist()}, ke {np.asarray(ke)[r].tolist()}); still "
