@@ -35,6 +35,15 @@ def check_released(ok: bool, message: str) -> None:
     assert ok, message
 
 
+def pytest_runtest_logreport(report):
+    # A sanitized run can be cut off by its time box before pytest's summary: say why a test
+    # failed as soon as it does (to the real stderr: the hook runs inside pytest's capture).
+    if UNDER_SANITIZER and report.failed:
+        import sys
+        sys.__stderr__.write(f"\n{report.nodeid} ({report.when}) failed:\n{report.longreprtext[-6000:]}\n")
+        sys.__stderr__.flush()
+
+
 def has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())

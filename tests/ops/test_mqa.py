@@ -496,3 +496,39 @@ def test_gpu_varied_ranges_and_clean_logits_false(keys):
     assert torch.equal(comp == float("-inf"), cref == float("-inf"))
     cvalid = cref != float("-inf")
     assert torch_calc_diff(comp[cvalid], cref[cvalid]) < 5e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,sk,ranges", [(2048, 8192, "causal"), (1024, 32768, "causal"),
+                                         (1000, 5000, "varied")])
+def test_gpu_deep_gemm_writes_every_valid_logit(keys, s, sk, ranges):
+    # The views take DeepGEMM's logits as defined on [ks, ke) and mask the rest without cleaning
+    # it: check that the kernel writes all of [ks, ke) into an allocation it did not clean.
+    # torch's caching allocator hands the NaN-filled block just freed to DeepGEMM's request of
+    # the same size (the data_ptr check makes sure), so a position it never writes stays NaN.
+    import deep_gemm
+    import torch
+    from jax_dg.ops.mqa import stride_align
+    from jax_dg import contracts
+    if ranges == "causal":
+        q, kv, w, ks, ke = gpu_inputs(keys, s, sk, 64, 128)
+    else:
+        q, kv, w = make_inputs(keys, s, sk, 64, 128)
+        ks, ke = varied_ranges(keys, s, sk)
+    tq, tkv, tw, tks, tke = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+    rows, stride = contracts.mqa_logits_layout(s, 64, sk, 0, stride_align())
+    for _ in range(2):   # the first call compiles (its allocations may differ)
+        torch.cuda.synchronize()
+        sentinel = torch.full((rows, stride), float("nan"), device="cuda")
+        ptr = sentinel.data_ptr()
+        del sentinel
+        dg = deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, tw, tks, tke, clean_logits=False, max_seqlen_k=0)
+        torch.cuda.synchronize()
+    assert dg.data_ptr() == ptr, "DeepGEMM's allocation did not reuse the NaN-filled block"
+    pos = torch.arange(sk, device="cuda")[None, :]
+    valid = (pos >= tks[:, None].long()) & (pos < tke[:, None].long())
+    unwritten = torch.isnan(dg) & valid
+    bad = torch.nonzero(unwritten.any(dim=1)).flatten()[:8].tolist()
+    assert not bad, (f"{int(unwritten.sum())} logits in [ks, ke) never written, rows {bad} (ks "
+                     f"{tks[bad].tolist()}, ke {tke[bad].tolist()}, first unwritten column "
+                     f"{[int(torch.nonzero(unwritten[r])[0]) for r in bad]})")
