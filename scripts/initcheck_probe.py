@@ -7,6 +7,8 @@ same kernel writing into torch.zeros, XLA's own kernels, jax_dg's top-k kernel a
 kernels report nothing: initcheck does not track the GEMMs' TMA stores, so it cannot judge them.
 The reported outputs are checked against the GEMM at the end, so "not written" is ruled out.
 The logits step is a small causal case: it says nothing of the padding a larger one leaves.
+The last two steps hand a DeepGEMM kernel and jax_dg's top-k kernel memory nobody wrote: they
+must report, which shows that initcheck checks the reads of both kinds of kernel.
 """
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 
 import jax_dg
 import deep_gemm
-from jax_dg.interop import to_torch
+from jax_dg.interop import to_jax, to_torch
 
 
 def step(tag):
@@ -55,6 +57,15 @@ def main():
     kv = jax_dg.per_row_cast_to_fp8(jax.random.normal(key, (256, 64)))
     ks, ke = jax_dg.causal_ks_ke(16, 256)
     np.asarray(jax.jit(jax_dg.mqa_logits)(q, kv, jax.random.normal(key, (16, 32)), ks, ke))
+
+    step("deep_gemm_kernel_reads_torch_empty (control: expect > 0)")
+    # slices of fresh large allocations: a small torch.empty may reuse a block written above
+    lens = torch.empty(16 << 20, dtype=torch.int32, device="cuda")[:8].view(8, 1)
+    deep_gemm.get_paged_mqa_logits_metadata(lens, 64, deep_gemm.get_num_sms())
+    torch.cuda.synchronize()
+    step("jax_dg_topk_reads_torch_empty (control: expect > 0)")
+    junk = to_jax(torch.empty((1024, 4096), device="cuda")[:8])
+    np.asarray(jax.jit(lambda v: jax_dg.topk_indices(v, 512))(junk))
 
     # The reported outputs were written: each is the GEMM (DeepGEMM's thresholds).
     step("values (host only)")
