@@ -56,8 +56,9 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 # it cannot judge the GEMMs and grouped GEMMs; memcheck and the tests' sentinel-filled outputs
 # cover those. Its default is the top-k kernel, the indexer and the logits value cases, and it
 # is not a pass/fail check there either: the reports printed so far (the first of millions)
-# are in two kernels, the logits views' select (XLA's loop_select_fusion), which by design reads the padding DeepGEMM leaves unwritten
-# and discards it, and torch.topk in the tests' oracle (why, not established). A kernel filter
+# are in two kernels, the logits views' select (XLA's loop_select_fusion), which by design
+# reads the padding DeepGEMM leaves unwritten and discards it, and torch.topk in the tests'
+# oracle (why, not established). A kernel filter
 # cannot set them aside: initcheck then stops tracking the excluded kernels' writes too, and
 # reports every later read of them (`SAN_ARGS="--kernel-name kns=..." scripts/sanitize.sh
 # probe` measured it: its XLA control step went from 0 to 64 reports). The README's testing
@@ -122,11 +123,7 @@ sanitize() {   # sanitize TOOL NAME PYTEST-ARGS...: the -m gpu tests named
 sweep() {   # sweep TOOL: TOOL's default tests, dealt one by one over JOBS concurrent runs
   local tool=$1 i=0 j rc=0 id
   local -a groups=() pids=() paths
-  if [ "$tool" = memcheck ]; then
-    read -ra paths <<< "$MEMCHECK_PATHS"
-  else
-    read -ra paths <<< "$INITCHECK"
-  fi
+  if [ "$tool" = memcheck ]; then read -ra paths <<< "$MEMCHECK_PATHS"; else read -ra paths <<< "$INITCHECK"; fi
   # test by test, not file by file: the heavy GEMM tests spread over all runs
   while read -r id; do
     groups[$((i % ${JOBS:-3}))]+=" $id"; i=$((i + 1))

@@ -251,9 +251,9 @@ GPU_MQA = [(2048, 8192, 64), (4096, 4096, 32), (2048, 4096, 32)]
 def test_gpu_mqa_bf16_matches_deep_gemm_from_torch(keys, s, sk, h):
     import deep_gemm
     import torch
-    from tests.ops.test_mqa import gpu_inputs
+    from tests.ops.test_mqa import gpu_inputs, torch_inputs
     q, kv, w, ks, ke = gpu_inputs(keys, s, sk, h, 128)
-    tq, tkv, tw, tks, tke = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+    tq, tkv, tw, tks, tke = torch_inputs(q, kv, w, ks, ke)
     assert dgb.takes_keyword(deep_gemm.fp8_fp4_mqa_logits, "clean_logits") is True   # 2.5.0
     for msk in (None, int((ke - ks).max())):
         f = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=msk, logits_dtype=BF16))

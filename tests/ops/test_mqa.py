@@ -419,6 +419,12 @@ def gpu_inputs(keys, s, sk, h, d):
     return (q, None), kv, w, ks, ke
 
 
+def torch_inputs(q, kv, w, ks, ke):
+    """The GPU inputs as torch views, shaped as deep_gemm.fp8_fp4_mqa_logits takes them
+    (q without its scale, kv as (values, scales))."""
+    return to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+
+
 def torch_calc_diff(x, y):
     """DeepGEMM's calc_diff on the GPU in float64, -inf set to 0 first (as its test does)."""
     import torch
@@ -448,7 +454,7 @@ def test_gpu_matches_deep_gemm_from_torch(keys, s, sk, h, d):
     out = f(q, kv, w, ks, ke)
     expect = run("xla", jax_dg.mqa_logits, q, kv, w, ks, ke)
     t_out, t_ref = to_torch(out), to_torch(expect)
-    tq, tkv, tw, tks, tke = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+    tq, tkv, tw, tks, tke = torch_inputs(q, kv, w, ks, ke)
     pos = torch.arange(sk, device="cuda")[None, :]
     mask = (pos >= tks[:, None].long()) & (pos < tke[:, None].long())
     assert torch.equal(t_out == float("-inf"), ~mask), "-inf mask differs from [ks, ke)"
@@ -515,7 +521,7 @@ def test_gpu_deep_gemm_writes_every_valid_logit(keys, s, sk, ranges):
     else:
         q, kv, w = make_inputs(keys, s, sk, 64, 128)
         ks, ke = varied_ranges(keys, s, sk)
-    tq, tkv, tw, tks, tke = to_torch(q[0]), (to_torch(kv[0]), to_torch(kv[1])), to_torch(w), to_torch(ks), to_torch(ke)
+    tq, tkv, tw, tks, tke = torch_inputs(q, kv, w, ks, ke)
     rows, stride = contracts.mqa_logits_layout(s, 64, sk, 0, stride_align())
     for _ in range(2):   # the first call compiles (its allocations may differ)
         torch.cuda.synchronize()
@@ -525,9 +531,7 @@ def test_gpu_deep_gemm_writes_every_valid_logit(keys, s, sk, ranges):
         dg = deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, tw, tks, tke, clean_logits=False, max_seqlen_k=0)
         torch.cuda.synchronize()
     assert dg.data_ptr() == ptr, "DeepGEMM's allocation did not reuse the NaN-filled block"
-    pos = torch.arange(sk, device="cuda")[None, :]
-    valid = (pos >= tks[:, None].long()) & (pos < tke[:, None].long())
-    unwritten = torch.isnan(dg) & valid
+    unwritten = torch.isnan(dg) & torch.from_numpy(valid_of(ks, ke, sk, False)).cuda()
     bad = torch.nonzero(unwritten.any(dim=1)).flatten()[:8].tolist()
     assert not bad, (f"{int(unwritten.sum())} logits in [ks, ke) never written, rows {bad} (ks "
                      f"{tks[bad].tolist()}, ke {tke[bad].tolist()}, first unwritten column "
