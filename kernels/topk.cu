@@ -316,7 +316,14 @@ extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo,
   const int cache_cap = cols <= kMaxCached ? cols : 0;
   const size_t smem = (kHistCopies * kBins + 2 * static_cast<size_t>(k_slots) +
                        static_cast<size_t>(cache_cap)) * sizeof(uint32_t);
-  if (smem > 48 * 1024) {
+  // The 48 KiB default covers static and dynamic shared memory together: above it, opt in
+  // (the attribute stays set for the function, so counting only the dynamic part failed just
+  // when no earlier, larger launch in the process had opted in: k 1024 over 8192 keys).
+  static const size_t static_smem = [] {
+    cudaFuncAttributes a{};
+    return cudaFuncGetAttributes(&a, TopkRowsKernel) == cudaSuccess ? a.sharedSizeBytes : 0;
+  }();
+  if (smem + static_smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(TopkRowsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     if (e != cudaSuccess) return static_cast<int>(e);
