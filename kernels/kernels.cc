@@ -12,6 +12,8 @@ namespace nb = nanobind;
 extern "C" int JaxDgTopkMaxK();
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+extern "C" int JaxDgNegInfOutside(void* logits, int64_t stride, int elem_bytes, int rows, int cols,
+                                  const int* lo, const int* hi, int relative, cudaStream_t stream);
 extern "C" int JaxDgZeroMaskedTail(void* d, int64_t row_bytes, int groups, int max_m,
                                    const int* masked_m, cudaStream_t stream);
 extern "C" int JaxDgZeroPaddingRows(void* d, int64_t row_bytes, int rows, int block,
@@ -39,6 +41,13 @@ NB_MODULE(_kernels, m) {
                         cols, k, sorted ? 1 : 0, reinterpret_cast<int*>(out),
                         reinterpret_cast<cudaStream_t>(stream)),
           "topk_rows");
+  });
+  m.def("neg_inf_outside", [](uintptr_t logits, int64_t stride, int elem_bytes, int rows, int cols,
+                              uintptr_t lo, uintptr_t hi, bool relative, uintptr_t stream) {
+    Check(JaxDgNegInfOutside(reinterpret_cast<void*>(logits), stride, elem_bytes, rows, cols,
+                             reinterpret_cast<const int*>(lo), reinterpret_cast<const int*>(hi),
+                             relative ? 1 : 0, reinterpret_cast<cudaStream_t>(stream)),
+          "neg_inf_outside");
   });
   m.def("zero_masked_tail", [](uintptr_t d, int64_t row_bytes, int groups, int max_m,
                                uintptr_t masked_m, uintptr_t stream) {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-SYMBOLS = frozenset({"topk_rows", "zero_masked_tail", "zero_padding_rows"})
+SYMBOLS = frozenset({"topk_rows", "neg_inf_outside", "zero_masked_tail", "zero_padding_rows"})
 
 try:
     from jax_dg.backends import _kernels
@@ -43,6 +43,18 @@ def topk_rows(logits: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
     _kernels.topk_rows(logits.data_ptr(), logits.stride(0), 0 if lo is None else lo.data_ptr(),
                        0 if hi is None else hi.data_ptr(), rows, cols, k, sorted, out.data_ptr(),
                        stream)
+
+
+def neg_inf_outside(logits: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor, rows: int,
+                    cols: int, relative: bool = False) -> None:
+    """logits[r, c] := -inf for r < rows, c < cols outside row r's valid columns, in place:
+    [lo[r], hi[r]) (lo None: 0), or with `relative` [0, hi[r] - lo[r]); the valid columns are
+    not touched. `logits` is float32 or bfloat16 [>= rows, stride], rows contiguous; lo, hi
+    int32 [rows]."""
+    assert logits.stride(1) == 1 and logits.element_size() in (2, 4)
+    stream = torch._C._cuda_getCurrentRawStream(logits.device.index)
+    _kernels.neg_inf_outside(logits.data_ptr(), logits.stride(0), logits.element_size(), rows, cols,
+                             0 if lo is None else lo.data_ptr(), hi.data_ptr(), relative, stream)
 
 
 def _row_bytes(d: torch.Tensor, rows: int) -> int:

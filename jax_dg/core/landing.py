@@ -80,11 +80,15 @@ def _on_cuda(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Ten
     return result, pool    # the pool must outlive the result (released once both are dropped)
 
 
-def land(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Tensor]) -> None:
+def land(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Tensor],
+         clean: Callable[[torch.Tensor], None] | None = None, clean_landed: bool = True) -> None:
     """Runs `make` (a DeepGEMM call that allocates its padded result once, `request_bytes`
     large, and returns a [rows, cols] view of it) so that the result is `out`'s memory, laid
-    out as `out` is ([R, stride]); if it is not, copies it into out[:rows, :cols]. `out` must
-    be XLA's memory (a custom call's result): torch already tracks its own blocks by address."""
+    out as `out` is ([R, stride]); if it is not, copies it into out[:rows, :cols]. `clean`
+    (the -inf cleaning) runs on the [rows, cols] result before any copy, so that a copy reads
+    only memory a kernel wrote; on a landed result only with `clean_landed` (a reader of
+    the valid positions alone, the indexer's top-k, needs no cleaning). `out` must be XLA's
+    memory (a custom call's result): torch already tracks its own blocks by address."""
     pool = None
     if out.is_cuda:
         result, pool = _on_cuda(out, request_bytes, make)
@@ -95,15 +99,16 @@ def land(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Tensor]
         finally:
             ref_device.arm_landing(None)
     rows, cols = result.shape
-    if result.data_ptr() == out.data_ptr() and result.stride() == (out.stride(0), 1):
-        STATS["landed"] += 1
-    else:
-        STATS["copied"] += 1
-        if result.data_ptr() == out.data_ptr():   # landed, but not in the declared layout
-            _warn_once("layout", f"jax_dg: DeepGEMM's logits row stride is {result.stride(0)}, "
-                       f"jax_dg declared {out.stride(0)} (a DeepGEMM version it does not know?); "
-                       "copying.")
-            result = result.clone()
+    landed = result.data_ptr() == out.data_ptr() and result.stride() == (out.stride(0), 1)
+    if not landed and result.data_ptr() == out.data_ptr():   # landed, but not in the declared layout
+        _warn_once("layout", f"jax_dg: DeepGEMM's logits row stride is {result.stride(0)}, "
+                   f"jax_dg declared {out.stride(0)} (a DeepGEMM version it does not know?); "
+                   "copying.")
+        result = result.clone()
+    if clean is not None and (clean_landed or not landed):
+        clean(result)
+    STATS["landed" if landed else "copied"] += 1
+    if not landed:
         out[:rows, :cols].copy_(result)
     del result, pool   # releases the pool's segment (JaxDgLandingFree), never XLA's memory
 

@@ -4,9 +4,11 @@
 
 DeepGEMM (2.5.0, SM90) allocates the logits itself, a buffer with padded rows and columns. The
 custom call's result is declared with that layout and DeepGEMM's allocation lands in it
-(jax_dg.core.landing: no copy); the op's view slices the logical [M, N] out and sets invalid
-positions to -inf in the same XLA fusion, which XLA merges into whatever reads the logits (a
-returned array costs that one pass; `indexer_topk` reads the padded buffer itself).
+(jax_dg.core.landing: no copy). With clean_logits jax_dg's own kernel then writes -inf at the
+invalid positions of the logical [M, N] block, and only there (kernels/neg_inf.cu), so every
+element the op returns is defined in memory; the op's view slices that block out, a slice XLA
+fuses into whatever reads the logits (a returned array costs that one copy; `indexer_topk`
+reads the padded buffer itself and cleans nothing).
 """
 
 from __future__ import annotations
@@ -84,25 +86,20 @@ def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logit
 
 def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits,
                     stride_align, logits_dtype="float32"):
-    # DeepGEMM writes its own allocation: land it in `out`. No cleaning here (the view masks,
-    # fused in XLA). Keywords from the 6th argument on: DeepGEMM >= 2.8 takes max_seqlen_k
-    # 6th, 2.5 takes clean_logits there (a positional int would turn into clean_logits=True);
-    # >= 2.8 has no clean_logits at all (backends.deep_gemm drops it by signature).
+    # DeepGEMM writes its own allocation: land it in `out`. Keywords from the 6th argument on:
+    # DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes clean_logits there (a positional int
+    # would turn into clean_logits=True); >= 2.8 has no clean_logits at all (backends.deep_gemm
+    # drops it by signature). DeepGEMM's own cleaning is never asked for: it has none for the
+    # compressed form, and jax_dg's writes the same positions in every version.
     rows, stride = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
                                                stride_align)
+
+    def clean(logits):   # -inf outside [ks, ke) (compressed: past column ke - ks)
+        dg.neg_inf_outside(logits, ks, ke, q.shape[0], max_seqlen_k or kv.shape[0],
+                           relative=bool(max_seqlen_k))
     landing.land(out, rows * stride * out.element_size(), lambda: dg.fp8_fp4_mqa_logits(
         (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k,
-        logits_dtype=rt.dtype(logits_dtype)))
-
-
-def valid_columns(ks, ke, m: int, width: int, num_keys: int, compressed: bool):
-    """bool [M, width]: where a row's logits are defined (built in XLA, fused into its reader).
-    Compressed: column t holds key ks + t, written for t < min(ke, N) - ks (ke already cut to
-    ks + width)."""
-    col = jax.lax.broadcasted_iota(I32, (m, width), 1)
-    if compressed:
-        return col < compressed_lens(ks, ke, num_keys)[:, None]
-    return (col >= ks[:, None]) & (col < ke[:, None])
+        logits_dtype=rt.dtype(logits_dtype)), clean, clean_landed=clean_logits)
 
 
 def compressed_lens(ks, ke, num_keys: int):
@@ -113,14 +110,8 @@ def compressed_lens(ks, ke, num_keys: int):
 
 def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align,
                      logits_dtype="float32"):
-    (buf,) = outs
-    m, n = inputs["q"].shape[0], max_seqlen_k or inputs["kv"].shape[0]
-    logits = buf[:m, :n]
-    if clean_logits:
-        valid = valid_columns(inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"], m, n,
-                              inputs["kv"].shape[0], bool(max_seqlen_k))
-        logits = jnp.where(valid, logits, NEG_INF)
-    return (logits,)
+    (buf,) = outs   # the invalid positions are -inf already (clean_logits: the run wrote them)
+    return (buf[:inputs["q"].shape[0], :max_seqlen_k or inputs["kv"].shape[0]],)
 
 
 def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
@@ -158,7 +149,7 @@ FP8_MQA_LOGITS = Op(
     rule=_mqa_logits_rule,
     run=_mqa_logits_run,
     reference=_mqa_logits_reference,
-    symbols=("fp8_fp4_mqa_logits",),
+    symbols=("fp8_fp4_mqa_logits", "neg_inf_outside"),
     batch=_mqa_logits_batch,
     view=_mqa_logits_view,
     sharding=query_sharding(lambda static: "m w" if static["max_seqlen_k"] else "m n"),

@@ -53,7 +53,6 @@ from jax_dg.reference import paged_mqa as ref
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32
-NEG_INF = float("-inf")
 UNIT_UE8M0_X4 = 0x7F7F7F7F          # four UE8M0 exponents of 2**0
 SPARSE_KERNELS = ("fp8_fp4_sparse_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits",
                   "get_sparse_mqa_logits_metadata", "get_paged_sparse_mqa_logits_metadata")
@@ -196,22 +195,22 @@ def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, sche
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # the schedule of exactly these rows (a shard's, under jit)
         schedule_metadata = dg.get_paged_mqa_logits_metadata(context_lens, kv_cache.shape[1], slots, **kw)
-    # DeepGEMM's allocation lands in `out` (jax_dg.core.landing); the view masks, fused in XLA.
-    # Keywords: positional arguments after the 7th changed meaning across DeepGEMM releases.
+    # DeepGEMM's allocation lands in `out` (jax_dg.core.landing). Keywords: positional
+    # arguments after the 7th changed meaning across DeepGEMM releases.
     rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
+    lens = context_lens.reshape(-1)
+
+    def clean(logits):   # -inf past each row's length
+        dg.neg_inf_outside(logits, None, lens, lens.shape[0], max_model_len)
     landing.land(out, rows * stride * out.element_size(), lambda: dg.fp8_fp4_paged_mqa_logits(
         (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw))
+        max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw),
+        clean, clean_landed=clean_logits)
 
 
 def _logits_view(outs, inputs, *, max_model_len, clean_logits, slots, **layout):
-    (buf,) = outs
-    lens = inputs["context_lens"].reshape(-1)
-    logits = buf[:lens.shape[0], :max_model_len]
-    if clean_logits:   # row r is defined for t < its length
-        col = jax.lax.broadcasted_iota(I32, logits.shape, 1)
-        logits = jnp.where(col < lens[:, None], logits, NEG_INF)
-    return (logits,)
+    (buf,) = outs   # the positions past each length are -inf already (clean_logits: the run)
+    return (buf[:inputs["context_lens"].size, :max_model_len],)
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -253,7 +252,7 @@ PAGED_MQA_LOGITS = Op(
     rule=_logits_rule,
     run=_logits_run,
     reference=_logits_reference,
-    symbols=("fp8_fp4_paged_mqa_logits",),
+    symbols=("fp8_fp4_paged_mqa_logits", "neg_inf_outside"),
     arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
     batch=_logits_batch,
     view=_logits_view,

@@ -508,8 +508,8 @@ def test_gpu_varied_ranges_and_clean_logits_false(keys):
 @pytest.mark.parametrize("s,sk,ranges", [(2048, 8192, "causal"), (1024, 32768, "causal"),
                                          (1000, 5000, "varied")])
 def test_gpu_deep_gemm_writes_every_valid_logit(keys, s, sk, ranges):
-    # The views take DeepGEMM's logits as defined on [ks, ke) and mask the rest without cleaning
-    # it: check that the kernel writes all of [ks, ke) into an allocation it did not clean.
+    # jax_dg writes -inf outside [ks, ke) only (kernels/neg_inf.cu) and takes DeepGEMM's logits
+    # as written on [ks, ke): check that the kernel writes all of it into an uncleaned allocation.
     # torch's caching allocator hands the NaN-filled block just freed to DeepGEMM's request of
     # the same size (the data_ptr check makes sure), so a position it never writes stays NaN.
     import deep_gemm
@@ -536,3 +536,45 @@ def test_gpu_deep_gemm_writes_every_valid_logit(keys, s, sk, ranges):
     assert not bad, (f"{int(unwritten.sum())} logits in [ks, ke) never written, rows {bad} (ks "
                      f"{tks[bad].tolist()}, ke {tke[bad].tolist()}, first unwritten column "
                      f"{[int(torch.nonzero(unwritten[r])[0]) for r in bad]})")
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_neg_inf_reference_contract(relative):
+    """The torch stand-in of jax_dg's -inf kernel: row r keeps [lo, hi) (relative: [0, hi - lo))
+    cut to [0, cols); the rest of the [rows, cols] block becomes -inf; nothing else is touched."""
+    import torch
+    from jax_dg.backends import torch_ref
+    lo = torch.tensor([0, 2, -3, 5, 9, 4], dtype=torch.int32)
+    hi = torch.tensor([8, 6, 3, 20, 2, 4], dtype=torch.int32)
+    d = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10) + 1
+    want = d.clone()
+    for r in range(6):
+        a, b = (0, int(hi[r] - lo[r])) if relative else (int(lo[r]), int(hi[r]))
+        for c in range(8):
+            if not a <= c < b:
+                want[r, c] = float("-inf")
+    torch_ref.neg_inf_outside(d, lo, hi, 6, 8, relative)
+    assert torch.equal(d, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_neg_inf_kernel_equals_its_torch_reference(dtype):
+    """jax_dg's -inf kernel (kernels/neg_inf.cu) against its torch reference: ranges past both
+    ends, empty and inverted ones, the relative (compressed) form, no lo, more rows than CTAs;
+    nothing but the invalid positions of the [rows, cols] block written."""
+    import torch
+    from jax_dg.backends import kernels, torch_ref
+    assert kernels.available(), f"jax_dg's CUDA kernels were not built: {kernels.import_error()}"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, cols, stride = 2000, 3000, 3328
+    base = torch.randn((rows + 5, stride), device="cuda", generator=g).to(getattr(torch, dtype))
+    lo = torch.randint(-100, cols + 100, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    hi = lo + torch.randint(-50, cols, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    for lo_, relative in ((lo, False), (lo, True), (None, False)):
+        got, want = base.clone(), base.clone()
+        kernels.neg_inf_outside(got, lo_, hi, rows, cols, relative)
+        torch_ref.neg_inf_outside(want, lo_, hi, rows, cols, relative)
+        assert torch.equal(got.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                           want.view(torch.int16 if dtype == "bfloat16" else torch.int32)), (lo_ is None, relative)
+        assert torch.equal(got[rows:], base[rows:]) and torch.equal(got[:, cols:], base[:, cols:])
