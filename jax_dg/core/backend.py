@@ -61,13 +61,28 @@ def concrete(backend: str, platform: str, strict: bool = True) -> str:
     return backend
 
 
+class _TorchNamespace:
+    """The torch reference resolved as DeepGEMM's namespace is: any DeepGEMM name, but jax_dg's
+    own kernels only when declared (on the GPU an undeclared one is looked for in DeepGEMM and
+    not found: fail here too, not first there). Looked up at each use, like the module."""
+
+    def __init__(self, symbols):
+        self._symbols = frozenset(symbols)
+
+    def __getattr__(self, name: str):
+        from jax_dg.backends import kernels, torch_ref
+        if name in kernels.SYMBOLS and name not in self._symbols:
+            raise AttributeError(f"jax_dg: `{name}` (jax_dg's own kernel) is not in the op's symbols")
+        return getattr(torch_ref, name)
+
+
 def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
     """The kernel namespace an op's run function receives as `dg`: the resolved DeepGEMM
     symbols plus jax_dg's own kernels (their torch references where those were not built),
-    or the torch reference module (which implements both APIs)."""
+    or the torch reference (which implements both APIs), resolving names the same way."""
     from jax_dg.backends import kernels, torch_ref
     if concrete(backend, platform) == "torch":
-        return torch_ref
+        return _TorchNamespace(symbols)
     from jax_dg.backends import deep_gemm
     own = [s for s in symbols if s in kernels.SYMBOLS]
     ns = deep_gemm.namespace(tuple(s for s in symbols if s not in kernels.SYMBOLS))
