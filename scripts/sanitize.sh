@@ -3,10 +3,14 @@
 #
 #   scripts/sanitize.sh memcheck [pytest args]   memcheck over `-m gpu` tests (default: tests/;
 #                                                 pass files or -k to run a part)
-#   scripts/sanitize.sh initcheck [pytest args]  initcheck over the ops whose outputs initcheck can
-#                                                 judge (default: INITCHECK below)
+#   scripts/sanitize.sh initcheck [pytest args]  initcheck over the ops that promise fully
+#                                                 defined outputs and whose stores initcheck
+#                                                 sees (default: INITCHECK below)
 #   scripts/sanitize.sh threads [pytest args]    memcheck over tests/test_threads.py, without the
 #                                                 host backtraces that deadlock it (THREADS_ARGS)
+#   scripts/sanitize.sh graphs [pytest args]     memcheck over the CUDA-graph tests
+#                                                 (tests/core/test_capture.py), command
+#                                                 buffers left on
 #   scripts/sanitize.sh racecheck [pytest args]  racecheck (shared-memory races) over jax_dg's
 #                                                 top-k tests (default: tests/ops/test_topk.py)
 #   scripts/sanitize.sh probe                    initcheck's reports per step of
@@ -25,7 +29,7 @@
 # e.g. scripts/sanitize.sh memcheck tests/ops/test_grouped.py -k masked
 # Settings (perf_facts.md: with XLA's defaults the sanitizer segfaults at start-up): XLA's
 # platform allocator (each buffer its own cudaMalloc, so memcheck sees buffer bounds, not one
-# pool), no CUDA graphs (command buffers), and child processes (DeepGEMM's nvcc JIT) left
+# pool), no CUDA graphs (command buffers; mode `graphs` keeps them), and child processes (DeepGEMM's nvcc JIT) left
 # unsanitised. WARM=1 first runs the same tests without the sanitizer, so DeepGEMM's kernels
 # are compiled into its JIT cache before the slow run. Logs go to $OUT (the device tool) or
 # ./gpu-logs; the exit code is non-zero when the sanitizer reports an error or a test fails.
@@ -49,28 +53,26 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_ALLOCATOR=platform
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 
-# initcheck does not track the TMA stores that write DeepGEMM's GEMM outputs: it reports every
-# sector of them uninitialised, also when deep_gemm is called from torch (`probe` shows it), so
-# it cannot judge the GEMMs and grouped GEMMs; memcheck and the tests' sentinel-filled outputs
-# cover those. Its default is the top-k kernel, the indexer and the logits value cases, and it
-# is not a pass/fail check there either: the reports printed so far (the first of millions)
-# are in two kernels, the logits views' select (XLA's loop_select_fusion), which by design
-# reads the padding DeepGEMM leaves unwritten and discards it, and torch.topk in the tests'
-# oracle (why, not established). A kernel filter
-# cannot set them aside: initcheck then stops tracking the excluded kernels' writes too, and
-# reports every later read of them (`SAN_ARGS="--kernel-name kns=..." scripts/sanitize.sh
-# probe` measured it: its XLA control step went from 0 to 64 reports). The README's testing
-# section has what was measured.
+# initcheck's default is tests/test_defined_outputs.py (the ops that promise fully defined
+# outputs, every returned element read back in XLA) and the logits/top-k value cases of
+# tests/test_values.py (an op on bad indices against the same op on sanitised ones). No test
+# with an oracle: torch.topk reports reads of its own workspace (526,336 reports for a topk of
+# torch.randn data, no jax_dg or XLA involved), and the GEMMs are out because initcheck does
+# not track the TMA stores that write DeepGEMM's GEMM outputs: it reports every sector of them
+# uninitialised, also when deep_gemm is called from torch (`probe` shows it); memcheck and the
+# tests' sentinel-filled outputs cover those. A kernel filter cannot set such reports aside:
+# initcheck then stops tracking the excluded kernels' writes too, and reports every later read
+# of them (`SAN_ARGS="--kernel-name kns=..." scripts/sanitize.sh probe` measured it: its XLA
+# control step went from 0 to 64 reports). The README's testing section has what was measured.
 INITCHECK_VALUES="indexer_topk mqa_compressed mqa_full paged_block_tables paged_block_tables_32
   paged_indexer_topk paged_schedule topk_indices"
-INITCHECK="tests/ops/test_topk.py"
+INITCHECK="tests/test_defined_outputs.py"
 for c in $INITCHECK_VALUES; do
   INITCHECK+=" tests/test_values.py::test_gpu_out_of_range_values_give_the_documented_result[$c]"
 done
 # memcheck's default: every GPU test but the capture tests, which assert CUDA-graph replay
-# (the sanitizer's settings turn command buffers off), and the threads test (mode `threads`)
+# (mode `graphs`), and the threads test (mode `threads`)
 MEMCHECK_PATHS="tests --ignore=tests/core/test_capture.py --ignore=tests/test_threads.py"
 # The threads test deadlocks under the sanitizer's host backtraces: to record one at a kernel
 # launch it takes the GIL inside the driver (XLA's cuLaunchKernelEx), while jax_dg's handler on
@@ -79,6 +81,9 @@ THREADS_ARGS="--show-backtrace device"
 
 mode=${1:-memcheck}
 shift || true
+# mode `graphs` keeps XLA's command buffers (the capture tests assert replays); the rest turn
+# them off (perf_facts.md: with them and XLA's pool allocator the sanitizer segfaulted)
+[ "$mode" = graphs ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 
 gpu_files() {
   grep -l "mark.gpu" -r tests --include "test_*.py" | sort
@@ -172,6 +177,7 @@ case $mode in
              sanitize memcheck memcheck "$@" ;;
   initcheck) [ $# -gt 0 ] || set -- $INITCHECK
              sanitize initcheck initcheck "$@" ;;
+  graphs)    sanitize memcheck graphs tests/core/test_capture.py "$@" ;;
   threads)   SAN_ARGS="${SAN_ARGS:-} $THREADS_ARGS"
              sanitize memcheck threads tests/test_threads.py "$@" ;;
   racecheck) [ $# -gt 0 ] || set -- tests/ops/test_topk.py
@@ -182,5 +188,5 @@ case $mode in
              rc=$?; tail -5 "$out/main.log"; exit $rc ;;
   files)     gpu_files ;;
   sweep)     sweep "${1:-memcheck}" ;;
-  *) echo "usage: $0 memcheck|initcheck|racecheck|threads|values|probe|main|files [args] | sweep memcheck|initcheck" >&2; exit 2 ;;
+  *) echo "usage: $0 memcheck|initcheck|graphs|racecheck|threads|values|probe|main|files [args] | sweep memcheck|initcheck" >&2; exit 2 ;;
 esac
