@@ -6,12 +6,14 @@ DeepSeek V3.2 indexer shapes (H=64, D=128), causal prefill masks as in DeepGEMM'
 (ks = 0, ke = arange(S) + SK - S). Rows:
   full         the [S, SK] form, -inf outside [ks, ke) (DeepGEMM's clean_logits=True)
   compressed   the [S, max(ke-ks)] form; torch: DeepGEMM's raw output (tail unwritten),
-               jax_dg: the tail set to -inf in the same pass as the copy
+               jax_dg: the tail set to -inf
 ratio = torch time / jax_dg time (target >= 0.98). DeepGEMM allocates its padded output itself;
-jax_dg lands that allocation in XLA's result buffer (jax_dg.core.landing), so a returned array
-costs one XLA pass (slice + -inf mask; `copy us` times a torch copy of that size alone, `copy %`
-its share of jax_dg). Consumed inside the program, the pass fuses into the reader: `max/max`
-compares DeepGEMM + amax in torch with mqa_logits(...).max(axis=1) in one jit.
+jax_dg lands that allocation in XLA's result buffer (jax_dg.core.landing) and writes -inf at the
+invalid positions in place (kernels/neg_inf.cu), so a returned array costs one XLA pass (the
+slice; `copy us` times a torch copy of that size alone, `copy %` its share of jax_dg).
+Consumed inside the program, the slice fuses into the reader: `max/max` compares DeepGEMM +
+amax in torch with mqa_logits(...).max(axis=1) in one jit; `clean us` is that jit's time less
+the same with clean_logits=False (what the -inf kernel costs).
 The plain jax.numpy contender computes the same formula a block of query rows at a time
 (lax.map), never holding [S, H, SK] scores.
 A second table times logits_dtype=bfloat16 against float32 at S2048 SK8192 (full form), four
@@ -93,12 +95,17 @@ def bench_shape(s, sk):
         f = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None))
         # consumed inside the program (a row max): XLA fuses the slice and mask into the reader
         fr = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None).max(axis=1))
+        # the same without jax_dg's -inf kernel: what the cleaning costs
+        fn = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None,
+                                                  clean_logits=False).max(axis=1))
         t = timing.compare({"torch": (dg, timing.torch_sync),
                             "jax_dg": (lambda: f(q, kv, w, ks, ke), timing.jax_sync),
                             "torch+max": (lambda: dg().amax(dim=1), timing.torch_sync),
-                            "jax_dg+max": (lambda: fr(q, kv, w, ks, ke), timing.jax_sync)}, n_iter)
+                            "jax_dg+max": (lambda: fr(q, kv, w, ks, ke), timing.jax_sync),
+                            "jax_dg+max no-clean": (lambda: fn(q, kv, w, ks, ke), timing.jax_sync)}, n_iter)
         row["torch_us"], row["jax_dg_us"] = t["torch"], t["jax_dg"]
         row["max/max"] = t["torch+max"] / t["jax_dg+max"]
+        row["clean_us"] = t["jax_dg+max"] - t["jax_dg+max no-clean"]
         # The copy alone: DeepGEMM's padded view into a contiguous tensor of the same shape.
         view = dg()
         dst = torch.empty(view.shape, dtype=view.dtype, device="cuda")
@@ -146,7 +153,7 @@ def main():
         ("shape", "shape"), ("form", "form"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
         ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"), ("jnp/jax_dg", "jnp/jax_dg"),
         ("copy_us", "copy us"), ("copy_%", "copy %"), ("max/max", "max/max"),
-        ("jax_dg_TFLOPs", "TFLOP/s")],
+        ("clean_us", "clean us"), ("jax_dg_TFLOPs", "TFLOP/s")],
         label=lambda r: f"{r['shape']} {r['form']}", ratios=["torch/jax_dg", "max/max"])
     # a second table, printed only (one plot per benchmark)
     print(plot.table_text("mqa_logits: bfloat16 vs float32 logits (full form)", bench_logits_dtype(*DTYPE_SHAPE), [
