@@ -93,7 +93,7 @@ def bench_shape(s, sk):
             return deep_gemm.fp8_fp4_mqa_logits((tq, None), tkv, tw, tks, tke,
                                                 clean_logits=clean, max_seqlen_k=width)
         f = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None))
-        # consumed inside the program (a row max): XLA fuses the slice and mask into the reader
+        # consumed inside the program (a row max): XLA fuses the slice into the reader
         fr = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None).max(axis=1))
         # the same without jax_dg's -inf kernel: what the cleaning costs
         fn = jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=width or None,

@@ -6,8 +6,8 @@
 // block defined in memory: the view that cuts it out of the padded buffer is then a plain slice,
 // and nothing downstream reads memory no kernel wrote (what compute-sanitizer's initcheck
 // checks). Row r's valid columns are [lo[r], hi[r]) (lo null: 0), or with `relative`
-// [0, hi[r] - lo[r]) (the compressed form, whose column t holds key lo[r] + t); both clamped to
-// [0, cols). Only stores: the valid columns are neither read nor written. No allocation, one
+// [0, hi[r] - lo[r]) (the compressed form, whose column t holds key lo[r] + t); both ends clamped
+// to [0, cols]. Only stores: the valid columns are neither read nor written. No allocation, one
 // launch on the given stream.
 
 #include <cstdint>

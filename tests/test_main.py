@@ -43,6 +43,19 @@ def test_op_status_reasons():
     assert "torch reference" in cli.op_status(op, "cpu", None, "auto")[1]
 
 
+def test_jax_dgs_own_kernels_are_not_looked_for_in_deep_gemm(monkeypatch):
+    # the logits ops declare jax_dg's -inf kernel next to DeepGEMM's: a DeepGEMM that has the
+    # logits kernel runs them natively
+    from jax_dg.backends import deep_gemm
+    ops = bridge.registered_ops()
+    monkeypatch.setattr(deep_gemm, "module", lambda: object())
+    monkeypatch.setattr(deep_gemm, "lookup", lambda name: (lambda: None) if name == "fp8_fp4_mqa_logits" else None)
+    mode, how = cli.op_status(ops["fp8_fp4_mqa_logits"], "gpu", "sm90", "auto")
+    assert mode == "native" and "neg_inf_outside" in how and "lacks" not in how
+    mode, how = cli.op_status(ops["topk_rows"], "gpu", "sm90", "auto")
+    assert mode == "native" and "topk_rows" in how
+
+
 def test_a_function_runs_as_its_least_capable_op():
     mode, how, names = cli.function_status(jax_dg.paged_mqa_logits, "gpu", "sm100", "torch")
     assert mode == "reference" and set(names) == {"fp8_fp4_paged_mqa_logits",

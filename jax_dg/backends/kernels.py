@@ -3,7 +3,7 @@
 A leaf like `deep_gemm`: it imports nothing of jax_dg. Its functions take torch CUDA tensors
 and launch on torch's current stream (XLA's, inside a custom call); they allocate nothing.
 Where the module was not built, `available()` is False and jax_dg runs the torch reference
-of the same contract (backends.torch_ref.topk).
+of the same contract (backends.torch_ref: topk.py, grouped.py, mqa.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ custom call's result is declared with that layout and DeepGEMM's allocation land
 invalid positions of the logical [M, N] block, and only there (kernels/neg_inf.cu), so every
 element the op returns is defined in memory; the op's view slices that block out, a slice XLA
 fuses into whatever reads the logits (a returned array costs that one copy; `indexer_topk`
-reads the padded buffer itself and cleans nothing).
+reads the padded buffer itself and cleans it only where it is copied, below 10 MiB).
 """
 
 from __future__ import annotations
@@ -200,8 +200,9 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
        >= max(ke - ks); longer rows keep their first max_seqlen_k keys.
     clean_logits: True (default): every position outside a row's valid range is -inf. False:
        those positions are unspecified (DeepGEMM leaves real scores, stale memory or anything
-       in them, NaN included) and only the valid ones may be read; it saves the masking work
-       (a separate kernel in the full form). Valid positions are identical either way.
+       in them, NaN included) and only the valid ones may be read; it saves jax_dg's -inf
+       kernel where the buffer lands (>= 10 MiB; a smaller one is cleaned before it is
+       copied). Valid positions are identical either way.
     logits_dtype: float32 (default) or bfloat16: DeepGEMM rounds each float32 sum to bfloat16
        as it stores it (half the output bytes; -inf stays -inf). Static.
     """

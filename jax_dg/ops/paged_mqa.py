@@ -12,9 +12,12 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
 - DeepGEMM's padded allocation lands in the custom call's result (jax_dg.core.landing, no
-  copy); the op's view slices [rows, max_model_len] out of it and sets positions t >= a row's
-  length to -inf (DeepGEMM 2.5.0 leaves real values and unwritten memory there) in one XLA
-  fusion. `clean_logits=False` skips the mask (those positions are unspecified).
+  copy; buffers under 10 MiB are copied); jax_dg's kernel then writes -inf at positions
+  t >= a row's length (DeepGEMM 2.5.0 leaves real values and unwritten memory there), in
+  place and nowhere else (kernels/neg_inf.cu), and the op's view slices [rows, max_model_len]
+  out. `clean_logits=False` skips the kernel where the buffer lands (those positions are then
+  unspecified); a copied one is cleaned before the copy whatever it says, so that the copy
+  reads only written memory.
 - Block size 32: DeepGEMM reads block-table entries in pairs, so the table is padded to an
   even width and entries past each request's blocks are set to block 0 (a valid id).
 - Values DeepGEMM uses as addresses are brought into range in the jitted program (selects on
@@ -405,7 +408,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
     max_model_len: static int, the output width.
     indices: int32 [B] request id per row, the varlen form (next_n == 1; SM100 in DeepGEMM).
     clean_logits: fill positions past each row's length with -inf (default); False leaves them
-       unspecified and saves that part of the output pass.
+       unspecified and saves jax_dg's -inf kernel where the buffer lands (>= 10 MiB).
     logits_dtype: float32 (default) or bfloat16 (each float32 sum rounded once on the store).
     Returns logits_dtype [B * next_n, max_model_len].
     """

@@ -9,8 +9,9 @@
   candidates; slots past a row's candidates are -1.
 - `indexer_topk(q, kv, weights, ks, ke, k)`: DeepGEMM's MQA logits and that selection in one
   custom call. The logits land in a scratch result that only the selection reads (it never
-  becomes a JAX array, is never cleaned or copied): the selection ignores positions outside
-  [ks, ke) itself. `paged_indexer_topk` is the same for the paged decode step.
+  becomes a JAX array): the selection ignores positions outside [ks, ke) itself. Below 10 MiB
+  the scratch is copied, not landed, and cleaned first so that the copy reads only written
+  memory. `paged_indexer_topk` is the same for the paged decode step.
 
 Where the kernel was not built (no CUDA toolkit at install), the torch reference of the same
 contract runs (a stable sort: exact, slower).

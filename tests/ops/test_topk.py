@@ -250,7 +250,7 @@ def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
         at = lambda i: np.where(i >= 0, np.take_along_axis(lg, np.maximum(i, 0), 1), -np.inf)  # noqa: E731
         r = rows[:4].tolist()
         pytest.fail(f"{rows.size} rows differ from topk_indices(mqa_logits) (rows {r}); same values "
-                    f"there: {bool(np.array_equal(at(got[rows]), at(want[rows])))}; sorted values of "
+                    f"there: {bool(np.array_equal(at(got)[rows], at(want)[rows]))}; sorted values of "
                     f"the indexer's picks equal: {bool(np.array_equal(np.sort(at(got), 1), np.sort(at(want), 1)))}; "
                     f"mqa_logits bitwise repeatable: "
                     f"{bool(jnp.array_equal(jax.jit(jax_dg.mqa_logits)(q, kv, w, ks, ke), logits))}; "

@@ -154,7 +154,8 @@ def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks, s
 def neg_inf_outside(logits, lo, hi, rows: int, cols: int, relative: bool = False) -> None:
     """logits[r, c] := -inf for r < rows, c < cols outside [lo[r], hi[r]) (lo None: 0), or with
     `relative` outside [0, hi[r] - lo[r]); the valid columns are not touched."""
-    a = torch.zeros_like(hi) if lo is None else lo
+    hi = hi[:rows]
+    a = torch.zeros_like(hi) if lo is None else lo[:rows]
     b = hi
     if relative:
         a, b = torch.zeros_like(hi), hi - a
