@@ -43,17 +43,18 @@ def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple
     if deep_gemm.module() is None:
         return "raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}"
     from jax_dg.backends import kernels
-    theirs = [s for s in op.symbols if s not in kernels.SYMBOLS]   # jax_dg's own: kernels/
+    own = [s for s in op.symbols if s in kernels.SYMBOLS]          # jax_dg's: kernels/
+    theirs = [s for s in op.symbols if s not in kernels.SYMBOLS]
     missing = [s for s in theirs if deep_gemm.lookup(s) is None]
     if missing:
         return "raises", (f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
                           f"JAX_DG_BACKEND=torch or xla runs the reference")
-    names = [getattr(deep_gemm.lookup(s), "__name__", s) for s in theirs]
-    own = [s for s in op.symbols if s in kernels.SYMBOLS]
-    how = "DeepGEMM: " + ", ".join(names) if names else "jax_dg's own kernels"
-    if own:
-        how += (f" + jax_dg's {', '.join(own)}" if names else f": {', '.join(own)}") + (
-            "" if kernels.available() else " (not built: their torch reference)")
+    names = ", ".join(getattr(deep_gemm.lookup(s), "__name__", s) for s in theirs)
+    mine = ", ".join(own) + ("" if kernels.available() else " (not built: their torch reference)")
+    if not own:
+        how = f"DeepGEMM: {names}"
+    else:
+        how = f"DeepGEMM: {names} + jax_dg's {mine}" if theirs else f"jax_dg's own kernels: {mine}"
     forms = [f"with `{arg}`: {', '.join(sorted(archs))} only" for arg, archs in op.arg_archs.items()
              if family not in archs]
     return "native", how + (f" ({'; '.join(forms)})" if forms else "")

@@ -66,14 +66,13 @@ class _TorchNamespace:
     own kernels only when declared (on the GPU an undeclared one is looked for in DeepGEMM and
     not found: fail here too, not first there). Looked up at each use, like the module."""
 
-    def __init__(self, symbols):
-        self._symbols = frozenset(symbols)
+    def __init__(self, module, undeclared: frozenset):
+        self._module, self._undeclared = module, undeclared
 
     def __getattr__(self, name: str):
-        from jax_dg.backends import kernels, torch_ref
-        if name in kernels.SYMBOLS and name not in self._symbols:
+        if name in self._undeclared:
             raise AttributeError(f"jax_dg: `{name}` (jax_dg's own kernel) is not in the op's symbols")
-        return getattr(torch_ref, name)
+        return getattr(self._module, name)
 
 
 def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
@@ -82,7 +81,7 @@ def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
     or the torch reference (which implements both APIs), resolving names the same way."""
     from jax_dg.backends import kernels, torch_ref
     if concrete(backend, platform) == "torch":
-        return _TorchNamespace(symbols)
+        return _TorchNamespace(torch_ref, kernels.SYMBOLS - frozenset(symbols))
     from jax_dg.backends import deep_gemm
     own = [s for s in symbols if s in kernels.SYMBOLS]
     ns = deep_gemm.namespace(tuple(s for s in symbols if s not in kernels.SYMBOLS))

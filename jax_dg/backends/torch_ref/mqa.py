@@ -155,10 +155,9 @@ def neg_inf_outside(logits, lo, hi, rows: int, cols: int, relative: bool = False
     """logits[r, c] := -inf for r < rows, c < cols outside [lo[r], hi[r]) (lo None: 0), or with
     `relative` outside [0, hi[r] - lo[r]); the valid columns are not touched."""
     hi = hi[:rows]
-    a = torch.zeros_like(hi) if lo is None else lo[:rows]
-    b = hi
+    lo = torch.zeros_like(hi) if lo is None else lo[:rows]
     if relative:
-        a, b = torch.zeros_like(hi), hi - a
+        lo, hi = torch.zeros_like(hi), hi - lo
     col = torch.arange(cols, device=logits.device)[None, :]
-    invalid = (col < a.to(logits.device).long()[:, None]) | (col >= b.to(logits.device).long()[:, None])
+    invalid = (col < lo.to(logits.device).long()[:, None]) | (col >= hi.to(logits.device).long()[:, None])
     logits[:rows, :cols].masked_fill_(invalid, float("-inf"))
