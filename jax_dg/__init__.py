@@ -15,9 +15,15 @@ Layers, top to bottom; a module imports only from its own layer or the layers be
   backends   jax_dg.backends.*: kernel namespaces with DeepGEMM's API: deep_gemm (a leaf that
              imports nothing of jax_dg), kernels (jax_dg's own CUDA kernels), torch_ref (both
              APIs in plain torch)
+  numerics   jax_dg.numerics: DeepGEMM's FP8 quantisation arithmetic in jax.numpy (scale factor,
+             UE8M0 rounding, the cast), the one piece of math the product and the pure-JAX
+             reference share (imports jax and at most contracts; the backends do not use it)
   contracts  jax_dg.contracts: DeepGEMM's sizes and buffer layouts as plain data (no imports)
 
-The two references never borrow from each other: what both need is a contract.
+The two references never borrow from each other: what both need is a contract. The product's
+helpers (quant, scales, routing, paged, indexer, capability, exporting, interop, jit_cache)
+and layers (ops.linear) never import jax_dg.reference: the oracle checks them, so it is not
+them (only the ops' declarations name it, as their `reference=`, the "xla" backend).
 Import order matters: jax is imported before the compiled bridge (jax_dg.core.bridge).
 """
 

@@ -103,21 +103,31 @@ def torch_segment_bytes(nbytes: int) -> int:
     return align(size, TORCH_ROUND_LARGE)
 
 
+def lands(rows: int, stride: int, itemsize: int, segmented: bool) -> bool:
+    """Whether a padded [rows, stride] allocation is routed into the XLA buffer (decided while
+    tracing): always off torch's CUDA allocator, there from LANDING_MIN_BYTES on (smaller
+    ones are copied, see landing_rows)."""
+    return not segmented or rows * stride * itemsize >= LANDING_MIN_BYTES
+
+
 def landing_rows(rows: int, stride: int, itemsize: int, segmented: bool) -> int:
     """Rows of the XLA buffer a padded [rows, stride] allocation lands in: its own rows, or
     (segmented, i.e. torch's CUDA allocator, for buffers >= LANDING_MIN_BYTES) enough rows to
     hold torch's whole segment. Smaller CUDA buffers are copied (the rounding would at least
     double them)."""
-    nbytes = rows * stride * itemsize
-    if not segmented or nbytes < LANDING_MIN_BYTES:
+    if not lands(rows, stride, itemsize, segmented) or not segmented:
         return rows
-    return cdiv(torch_segment_bytes(nbytes), stride * itemsize)
+    return cdiv(torch_segment_bytes(rows * stride * itemsize), stride * itemsize)
 
 
 # --- paged MQA logits -------------------------------------------------------------------------
 
 SPLIT_KV = 256             # tokens per schedule split (SM90 paged kernel)
 MX_HEAD_DIM = 128          # MX scales: four UE8M0 bytes (one int32) per row, one per 32 elements
+# The paged FP8 key cache, uint8 [num_blocks, block_size, 1, D + KV_SCALE_BYTES]: each block
+# holds its block_size D-byte rows (token-major), then their block_size scales of
+# KV_SCALE_BYTES each (float32, or packed UE8M0 int32 with MX scales).
+KV_SCALE_BYTES = 4
 
 
 def page_sizes(arch: str) -> tuple[int, ...]:

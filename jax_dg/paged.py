@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dg.contracts import KV_SCALE_BYTES as SCALE_BYTES
 from jax_dg.core.checks import Checker
-from jax_dg.reference.paged_mqa import SCALE_BYTES, split_kv_cache
-from jax_dg.reference.quant import FP8, cast_with_scale, scale_for
+from jax_dg.quant import FP8, cast_with_scale, scale_for
 
 __all__ = [
     "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
@@ -81,12 +81,18 @@ def unpack_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False,
     (float8_e4m3fn, or int8 for packed MXFP4), float32 scales [num_blocks, block_size],
     or int32 packed UE8M0 with `mx_scales`)."""
     check_kv_cache(Checker("unpack_kv_cache"), kv_cache)
-    return split_kv_cache(kv_cache, mx_scales=mx_scales, value_dtype=value_dtype)
+    nb, blk, _, dp4 = kv_cache.shape
+    d = dp4 - SCALE_BYTES
+    block = kv_cache.reshape(nb, blk * dp4)          # one block: blk rows of d bytes, then blk scales
+    values = jax.lax.bitcast_convert_type(block[:, :blk * d].reshape(nb, blk, d), value_dtype)
+    scales = jax.lax.bitcast_convert_type(block[:, blk * d:].reshape(nb, blk, SCALE_BYTES),
+                                          jnp.int32 if mx_scales else jnp.float32)
+    return values, scales
 
 
 def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., D] -> (float8 [..., D], float32 scales [...]): one scale per row (token),
-    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (see jax_dg.quant.scale_for)."""
+    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (jax_dg.quant's formulas)."""
     x = k.astype(jnp.float32)
     sf = scale_for(jnp.abs(x).max(axis=-1, keepdims=True))
     return cast_with_scale(x, sf), sf[..., 0]

@@ -1,7 +1,11 @@
-"""FP8 quantisers (DeepGEMM's formulas, bitwise: see jax_dg.reference.quant) and the test metric.
+"""FP8 quantisers (DeepGEMM's formulas, bitwise) and the test metric: the product's one
+implementation, which jax_dg.paged, jax_dg.scales, jax_dg.indexer and jax_dg.ops.linear use.
 
 Scale factor sf = max(amax of the block, 1e-4) / 448; with `use_ue8m0` it is rounded up to a
-power of two. Values are x * (1 / sf) cast to float8_e4m3fn.
+power of two. Values are x * (1 / sf) cast to float8_e4m3fn. The element-wise formulas are
+jax_dg.numerics (shared with the oracle); the blocking, the UE8M0 packing and the checks are
+this module's. It never imports the pure-JAX reference jax_dg.reference.quant (the test
+oracle): tests/test_quant.py compares the two bitwise, and both with DeepGEMM's torch code.
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dg import numerics
+from jax_dg.contracts import align
 from jax_dg.core.checks import Checker
-from jax_dg.reference import quant as ref
-from jax_dg.reference.quant import FP8, FP8_MAX, cast_with_scale, scale_for  # noqa: F401
+from jax_dg.numerics import FP8, FP8_MAX, cast_with_scale, scale_for  # noqa: F401
 
 __all__ = ["FP8", "FP8_MAX", "ceil_to_ue8m0", "pack_ue8m0_to_int", "scale_for", "cast_with_scale",
            "per_token_cast_to_fp8", "per_block_cast_to_fp8", "calc_diff"]
@@ -21,7 +26,7 @@ __all__ = ["FP8", "FP8_MAX", "ceil_to_ue8m0", "pack_ue8m0_to_int", "scale_for", 
 def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
     """Rounds |x| (float32) up to the next power of two, as DeepGEMM's UE8M0 scales do."""
     Checker("ceil_to_ue8m0").floating(x, "x")
-    return ref.ceil_to_ue8m0(x)
+    return numerics.ceil_to_ue8m0(x)
 
 
 def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
@@ -30,7 +35,14 @@ def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
     ck.dtype(x, "x", jnp.float32)
     ck.that(len(x.shape) >= 1 and x.shape[-1] % 4 == 0, "x", "must have a last axis divisible by 4",
             tuple(x.shape))
-    return ref.pack_ue8m0_to_int(x)
+    return _pack_ue8m0(x)
+
+
+def _pack_ue8m0(x: jax.Array) -> jax.Array:
+    """The exponent byte of each scale, four to an int32 (first scale in the low byte)."""
+    exps = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23).astype(jnp.uint8)
+    exps = exps.reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
+    return jax.lax.bitcast_convert_type(exps, jnp.int32)
 
 
 def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
@@ -42,12 +54,31 @@ def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
 
 def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
-    return ref.per_token_cast_to_fp8(x, *_check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k))
+    return _per_token(x, *_check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k))
 
 
 def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
-    return ref.per_block_cast_to_fp8(x, *_check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k))
+    return _per_block(x, *_check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k))
+
+
+def _per_token(x: jax.Array, use_ue8m0: bool, gran_k: int):
+    m, n = x.shape
+    kp = align(n, gran_k)
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kp - n)))   # zero columns: amax unchanged
+    blocks = xp.reshape(m, kp // gran_k, gran_k)                  # explicit sizes: m may be 0
+    sf = scale_for(jnp.abs(blocks).max(axis=2), use_ue8m0)
+    return cast_with_scale(blocks, sf[:, :, None]).reshape(m, kp)[:, :n], sf
+
+
+def _per_block(x: jax.Array, use_ue8m0: bool, gran_k: int):
+    m, n = x.shape
+    mp, kp = align(m, gran_k), align(n, gran_k)
+    xp = jnp.pad(x.astype(jnp.float32), ((0, mp - m), (0, kp - n)))
+    blocks = xp.reshape(mp // gran_k, gran_k, kp // gran_k, gran_k)
+    sf = scale_for(jnp.abs(blocks).max(axis=(1, 3), keepdims=True), use_ue8m0)
+    values = cast_with_scale(blocks, sf).reshape(mp, kp)[:m, :n]
+    return values, sf.reshape(mp // gran_k, kp // gran_k)
 
 
 def calc_diff(x, y):

@@ -1,5 +1,6 @@
 """The package's layering (jax_dg/__init__.py's docstring): every import, at module level or
-inside a function, goes to the module's own layer or one it may use, and no import cycle exists."""
+inside a function, goes to the module's own layer or one it may use, no import cycle exists, and
+the product's helpers and layers never import the pure-JAX reference (the test oracle)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ OPS_LAYER = {"jax_dg.quant", "jax_dg.scales", "jax_dg.routing", "jax_dg.paged", 
 # layer -> layers its modules may import
 MAY_IMPORT = {
     "contracts": set(),
+    "numerics": {"contracts", "numerics"},
     "backends": {"contracts", "backends"},
-    "reference": {"contracts", "reference"},
-    "core": {"contracts", "backends", "core"},
-    "ops": {"contracts", "backends", "reference", "core", "ops"},
-    "public": {"contracts", "backends", "reference", "core", "ops", "public"},
+    "reference": {"contracts", "numerics", "reference"},
+    "core": {"contracts", "numerics", "backends", "core"},
+    "ops": {"contracts", "numerics", "backends", "reference", "core", "ops"},
+    "public": {"contracts", "numerics", "backends", "reference", "core", "ops", "public"},
 }
+# The product's own code: the user helpers and the composed layers. They never import
+# jax_dg.reference (what they compute is tested against it, so it must not be it). The ops'
+# declarations do import it: an Op record's `reference=` is the oracle and the "xla" backend.
+PRODUCT = OPS_LAYER | {"jax_dg.ops.linear"}
 LEAVES = {"jax_dg.backends.deep_gemm"}   # import nothing of jax_dg
 
 
@@ -28,6 +34,8 @@ def layer(module: str) -> str:
         return "public"
     if module == "jax_dg.contracts":
         return "contracts"
+    if module == "jax_dg.numerics":
+        return "numerics"
     if module in OPS_LAYER or module.startswith("jax_dg.ops"):
         return "ops"
     for name in ("backends", "reference", "core"):
@@ -78,6 +86,12 @@ def violations(g: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def reference_imports(g: dict[str, set[str]]) -> list[str]:
+    """Imports of jax_dg.reference (the package or a module of it) by PRODUCT modules."""
+    return [f"{src} -> {dst}" for src in sorted(PRODUCT & set(g)) for dst in sorted(g[src])
+            if dst == "jax_dg.reference" or dst.startswith("jax_dg.reference.")]
+
+
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
@@ -114,6 +128,12 @@ def test_every_import_goes_downward():
     assert violations(graph()) == []
 
 
+def test_the_product_never_imports_the_oracle():
+    g = graph()
+    assert PRODUCT <= set(g), PRODUCT - set(g)      # a renamed module must not slip out of the rule
+    assert reference_imports(g) == []
+
+
 def test_no_import_cycle():
     g = graph()
     # the package __init__ imports everything; submodules importing `jax_dg` itself would close
@@ -128,3 +148,12 @@ def test_the_checks_catch_what_they_are_for():
          "jax_dg.backends.deep_gemm": {"jax_dg.contracts"}}
     assert len(violations(g)) == 3
     assert cycles(g) == [["jax_dg.contracts", "jax_dg.core.op"]]
+    # numerics sits just above contracts: it imports no reference, core or op ...
+    assert len(violations({"jax_dg.numerics": {"jax_dg.reference.quant", "jax_dg.core.checks"},
+                           "jax_dg.reference.quant": {"jax_dg.numerics", "jax_dg.contracts"}})) == 2
+    # ... and the product's helpers and layers reach no reference module, while an op may
+    g = {"jax_dg.paged": {"jax_dg.reference.paged_mqa", "jax_dg.numerics"},
+         "jax_dg.ops.linear": {"jax_dg.reference"}, "jax_dg.quant": {"jax_dg.numerics"},
+         "jax_dg.ops.gemm": {"jax_dg.reference.gemm"}}
+    assert reference_imports(g) == ["jax_dg.ops.linear -> jax_dg.reference",
+                                    "jax_dg.paged -> jax_dg.reference.paged_mqa"]

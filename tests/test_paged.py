@@ -57,6 +57,35 @@ def test_pack_unpack_round_trip_and_byte_order():
     np.testing.assert_array_equal(np.asarray(s3), np.asarray(mx))
 
 
+@pytest.mark.parametrize("mx_scales,value_dtype", [(False, jnp.float8_e4m3fn), (True, jnp.float8_e4m3fn),
+                                                    (True, jnp.int8)])
+def test_unpack_is_bitwise_the_oracles_split(mx_scales, value_dtype):
+    """jax_dg.paged reads the layout itself (no oracle import): the same bytes as
+    jax_dg.reference.paged_mqa.split_kv_cache, for any byte pattern (NaN bits included)."""
+    from jax_dg.reference.paged_mqa import SCALE_BYTES, split_kv_cache
+    assert SCALE_BYTES == paged.SCALE_BYTES == jax_dg.contracts.KV_SCALE_BYTES == 4
+    for nb, blk, d in [(3, 64, 128), (2, 32, 68), (1, 64, 32)]:
+        raw = jnp.asarray(np.random.default_rng(d).integers(0, 256, (nb, blk, 1, d + 4), dtype=np.uint8))
+        got = paged.unpack_kv_cache(raw, mx_scales=mx_scales, value_dtype=value_dtype)
+        want = split_kv_cache(raw, mx_scales=mx_scales, value_dtype=value_dtype)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.0, 1e-30, 1e37])
+def test_quantize_is_bitwise_the_oracles_per_token_cast(scale):
+    """A cache row is one 1 x D block of the oracle's per-token quantiser (the zero, tiny and
+    huge keys included)."""
+    from jax_dg.reference.quant import per_token_cast_to_fp8
+    nb, blk, d = 2, 64, 96
+    k = jnp.asarray((np.random.default_rng(4).standard_normal((nb, blk, d)) * scale).astype(np.float32))
+    values, sf = paged.unpack_kv_cache(paged.quantize_kv_cache(k))
+    ov, osf = per_token_cast_to_fp8(k.reshape(-1, d), gran_k=d)
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8).reshape(-1, d), np.asarray(ov).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sf).reshape(-1), np.asarray(osf)[:, 0])
+
+
 def test_dequantize_follows_block_tables():
     nb, blk, d = 6, 64, 32
     k = jnp.asarray(np.random.default_rng(1).standard_normal((nb, blk, d)).astype(np.float32))

@@ -86,3 +86,96 @@ def test_calc_diff():
     assert jax_dg.calc_diff(x, -x) == pytest.approx(2.0)
     assert jax_dg.calc_diff(np.zeros(3), np.zeros(3)) == 0.0
     assert float(jax.jit(jax_dg.calc_diff)(x, x * 1.01)) == pytest.approx(jax_dg.calc_diff(x, x * 1.01), rel=1e-3)
+
+
+# --- the product's quantisers (jax_dg.quant) against the oracle (jax_dg.reference.quant) -------
+# Two implementations (the product never imports the oracle: tests/test_layering.py), bitwise
+# equal, under jit and eagerly, on the inputs where rounding and clamping decide.
+
+from jax_dg import quant as product  # noqa: E402
+from jax_dg.reference import quant as oracle  # noqa: E402
+
+
+def edge_input(kind: str, shape, dtype, rng):
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "zero":
+        x = np.zeros(shape, np.float32)
+    elif kind == "tiny":        # amax far below the 1e-4 floor, some float32 denormals
+        x = x * np.float32(1e-30 if dtype == jnp.float32 else 1e-20)
+    elif kind == "huge":        # near the dtype's largest finite value
+        x = x * np.float32(3e37 if dtype == jnp.float32 else 1e37)
+    elif kind == "mixed":       # blocks of very different magnitudes, exact powers of two, zeros
+        x = x * np.float32(10.0) ** rng.integers(-12, 12, shape).astype(np.float32)
+        x.flat[::7] = 2.0 ** rng.integers(-20, 20, x.size)[::7]
+        x.flat[::11] = 0.0
+    return jnp.asarray(x).astype(dtype)
+
+
+def assert_same_cast(a, b):
+    np.testing.assert_array_equal(jnp_bits(a[0]), jnp_bits(b[0]))
+    assert a[0].dtype == b[0].dtype == jnp.float8_e4m3fn and a[1].dtype == b[1].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+KINDS = ["random", "zero", "tiny", "huge", "mixed"]
+SHAPES = [(33, 200), (5, 16), (130, 1000), (0, 256), (3, 1)]   # K % 128 != 0 but for the empty one
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_product_quantisers_are_bitwise_the_oracles(dtype, use_ue8m0):
+    rng = np.random.default_rng(0)
+    jitted = {f: jax.jit(f, static_argnums=(1, 2)) for f in (
+        product.per_token_cast_to_fp8, oracle.per_token_cast_to_fp8,
+        product.per_block_cast_to_fp8, oracle.per_block_cast_to_fp8)}
+    for shape in SHAPES:
+        for kind in KINDS:      # one compilation per shape: the kinds reuse it
+            x = edge_input(kind, shape, dtype, rng)
+            for gran_k in (128, 7):
+                args = (use_ue8m0, gran_k)
+                want = jitted[oracle.per_token_cast_to_fp8](x, *args)
+                assert_same_cast(jitted[product.per_token_cast_to_fp8](x, *args), want)
+            assert_same_cast(product.per_token_cast_to_fp8(x, use_ue8m0), oracle.per_token_cast_to_fp8(x, use_ue8m0))
+            assert_same_cast(jitted[product.per_block_cast_to_fp8](x, use_ue8m0, 128),
+                             jitted[oracle.per_block_cast_to_fp8](x, use_ue8m0, 128))
+
+
+@pytest.mark.parametrize("kind", ["zero", "tiny", "huge", "mixed"])
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_edge_inputs_are_bitwise_deep_gemms(kind, use_ue8m0):
+    """The product on the edge inputs against DeepGEMM's torch code (K % 128 != 0 included)."""
+    rng = np.random.default_rng(7)
+    for shape in [(33, 200), (130, 300)]:
+        x = edge_input(kind, shape, jnp.float32, rng)
+        tx = torch.from_numpy(np.array(x))
+        for got, (tv, tsf) in ((product.per_token_cast_to_fp8(x, use_ue8m0), dg_per_token(tx, use_ue8m0)),
+                               (product.per_block_cast_to_fp8(x, use_ue8m0), dg_per_block(tx, use_ue8m0))):
+            np.testing.assert_array_equal(jnp_bits(got[0]), to_np(tv))
+            np.testing.assert_array_equal(np.asarray(got[1]), to_np(tsf))
+
+
+def test_ue8m0_helpers_are_bitwise_the_oracles():
+    special = np.array([0.0, -0.0, 1e-45, 1e-40, 1.1754942e-38, 1.0, 1.5, 2.0, 3.0, -3.0, 448.0,
+                        1e30, 3.4028235e38, np.inf, -np.inf, 2.0 ** -126, 2.0 ** 127], np.float32)
+    x = np.concatenate([special, np.random.default_rng(0).standard_normal(47).astype(np.float32)
+                        * 10.0 ** np.random.default_rng(1).integers(-30, 30, 47)])
+    x = jnp.asarray(x)
+    for f in (lambda v: v, jax.jit):
+        np.testing.assert_array_equal(np.asarray(f(product.ceil_to_ue8m0)(x)),
+                                      np.asarray(f(oracle.ceil_to_ue8m0)(x)))
+    np.testing.assert_array_equal(np.asarray(product.ceil_to_ue8m0(x)),
+                                  dg_ceil_to_ue8m0(torch.from_numpy(np.array(x))).numpy())
+    sf = product.ceil_to_ue8m0(x).reshape(4, 16)
+    np.testing.assert_array_equal(np.asarray(product.pack_ue8m0_to_int(sf)),
+                                  np.asarray(oracle.pack_ue8m0_to_int(sf)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(product.pack_ue8m0_to_int)(sf)),
+                                  np.asarray(jax.jit(oracle.pack_ue8m0_to_int)(sf)))
+
+
+def test_product_and_oracle_are_two_implementations():
+    # Only the element-wise formulas (jax_dg.numerics) are shared; the quantisers are not.
+    for name in ("per_token_cast_to_fp8", "per_block_cast_to_fp8", "pack_ue8m0_to_int"):
+        assert getattr(product, name) is not getattr(oracle, name)
+    from jax_dg import numerics
+    assert product.scale_for is oracle.scale_for is numerics.scale_for
+    assert product.FP8 is oracle.FP8 is jnp.float8_e4m3fn and product.FP8_MAX == oracle.FP8_MAX == 448.0

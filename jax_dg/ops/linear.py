@@ -10,6 +10,10 @@ FP8 GEMMs (no XLA dot on dequantised values):
   wgrad  dw = dy.T @ x: both quantised along M (1 x 128), the float32-accumulating recipe
          (1, 1, 128) onto zeros.
 The quantisers are straight-through: gradients are those of the unquantised product.
+
+Both layers go through jax_dg.core.derivative.with_vjp, the one backward mechanism (Ops use it
+for their records' `vjp`): the forward pass quantises w once (`save`), its GEMM reads it, and
+the rule (`_linear_vjp`, `_grouped_vjp`) reuses it transposed for the dgrad.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.contracts import align
+from jax_dg.core import derivative
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import exposes
 from jax_dg.ops.gemm import FP8_GEMM, fp8_gemm_nt
 from jax_dg.ops.grouped import K_GROUPED_FP8, M_GROUPED_FP8_MASKED, k_grouped_fp8_gemm_nt_contiguous, \
     m_grouped_fp8_gemm_nt_masked
-from jax_dg.reference.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from jax_dg.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -55,14 +60,13 @@ def _t_fp8(q):
     return q[0].T, q[1].T
 
 
-def _linear_fwd(x2, w):
-    wq = per_block_cast_to_fp8(w)
-    return fp8_gemm_nt(per_token_cast_to_fp8(x2), wq), (x2, wq, jnp.zeros((), w.dtype))
+def _linear_save(x2, w):
+    """What the forward GEMM and the dgrad both read: w per 128 x 128 block."""
+    return per_block_cast_to_fp8(w)
 
 
-@jax.custom_vjp
-def _linear(x2, w):
-    return _linear_fwd(x2, w)[0]
+def _linear_call(x2, w, wq):
+    return fp8_gemm_nt(per_token_cast_to_fp8(x2), wq)
 
 
 def _wgrad(g, x2):
@@ -73,15 +77,11 @@ def _wgrad(g, x2):
     return fp8_gemm_nt(per_token_cast_to_fp8(gt), per_token_cast_to_fp8(xt), c=zeros)
 
 
-def _linear_bwd(res, dy):
-    x2, wq, w_like = res
-    g = dy.astype(BF16)
-    dx = fp8_gemm_nt(per_token_cast_to_fp8(g), _t_fp8(wq))          # [M, K] bf16
-    dw = _wgrad(g, x2)
-    return dx.astype(x2.dtype), dw.astype(w_like.dtype)
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd)
+def _linear_vjp(inputs, cts, saved):
+    """(dx, dw) of y = x2 @ w.T: dgrad on w's saved blocks transposed, wgrad along M."""
+    g = cts.astype(BF16)
+    dx = fp8_gemm_nt(per_token_cast_to_fp8(g), _t_fp8(saved))          # [M, K] bf16
+    return {"x": dx, "w": _wgrad(g, inputs["x"])}
 
 
 @exposes(FP8_GEMM["nt"])
@@ -95,28 +95,27 @@ def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     ck = Checker("fp8_linear")
     n, k = _check_linear(ck, x, w)
     lead = x.shape[:-1]
-    y = _linear(x.reshape(-1, k), w)
-    return y.reshape(*lead, n)
+    linear = derivative.with_vjp(_linear_call, ("x", "w"), _linear_vjp, {}, save=_linear_save)
+    return linear(x.reshape(-1, k), w).reshape(*lead, n)
 
 
 # --- MoE experts: the masked layout --------------------------------------------------------------
 
-def _grouped_fwd(x, w, masked_m, expected_m):
-    b = jax.vmap(per_block_cast_to_fp8)(w)
-    y = m_grouped_fp8_gemm_nt_masked(jax.vmap(per_token_cast_to_fp8)(x), b, masked_m, expected_m)
-    return y, (x, b, masked_m, jnp.zeros((), w.dtype))
+def _grouped_save(x, w, masked_m):
+    """w per 128 x 128 block, per group: the forward's and the dgrad's operand."""
+    return jax.vmap(per_block_cast_to_fp8)(w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x, w, masked_m, expected_m):
-    return _grouped_fwd(x, w, masked_m, expected_m)[0]
+def _grouped_call(x, w, masked_m, b, *, expected_m):
+    return m_grouped_fp8_gemm_nt_masked(jax.vmap(per_token_cast_to_fp8)(x), b, masked_m, expected_m)
 
 
-def _grouped_bwd(expected_m, res, dy):
-    x, b, masked_m, w_like = res
+def _grouped_vjp(inputs, cts, saved, *, expected_m):
+    """(dx, dw) of y[g] = x[g] @ w[g].T over each group's first masked_m rows."""
+    x, masked_m, b = inputs["x"], inputs["masked_m"], saved
     g_, mmax, _ = x.shape
     rows = jnp.arange(mmax, dtype=jnp.int32)[None, :, None] < jnp.clip(masked_m, 0, mmax)[:, None, None]
-    g = jnp.where(rows, dy, 0).astype(BF16)            # rows past masked_m were set to 0: no gradient
+    g = jnp.where(rows, cts, 0).astype(BF16)           # rows past masked_m were set to 0: no gradient
     # dgrad: per group dx[g] = dy[g] @ w[g] (w's blocks transposed)
     bt = (jnp.swapaxes(b[0], 1, 2), jnp.swapaxes(b[1], 1, 2))
     dx = m_grouped_fp8_gemm_nt_masked(jax.vmap(per_token_cast_to_fp8)(g), bt, masked_m, expected_m)
@@ -132,10 +131,7 @@ def _grouped_bwd(expected_m, res, dy):
     a = (qa[0].reshape(-1), jnp.swapaxes(qa[1], 1, 2).reshape(-1, n))
     bb = (qb[0].reshape(-1), jnp.swapaxes(qb[1], 1, 2).reshape(-1, k))
     dw = k_grouped_fp8_gemm_nt_contiguous(a, bb, [mmax] * g_, c=jnp.zeros((g_, n, k), F32))
-    return dx.astype(x.dtype), dw.astype(w_like.dtype), None
-
-
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+    return {"x": dx, "w": dw}                           # masked_m: integer, no cotangent
 
 
 @exposes(M_GROUPED_FP8_MASKED, K_GROUPED_FP8)
@@ -165,4 +161,7 @@ def fp8_grouped_linear(x: jax.Array, w: jax.Array, masked_m: jax.Array, expected
             "k-grouped GEMM takes 128-row groups)", (n, k))
     ck.tensor(masked_m, "masked_m", [jnp.int32], (g,), "[G]")
     expected_m = ck.static_int(expected_m, "expected_m", 1)
-    return _grouped(x, w, masked_m, expected_m)
+    grouped = derivative.with_vjp(functools.partial(_grouped_call, expected_m=expected_m),
+                                  ("x", "w", "masked_m"), _grouped_vjp, {"expected_m": expected_m},
+                                  save=_grouped_save)
+    return grouped(x, w, masked_m)

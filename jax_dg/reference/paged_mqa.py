@@ -19,7 +19,7 @@ from jax_dg import contracts
 from jax_dg.contracts import SPLIT_KV
 from jax_dg.reference.mqa import mx_dequant, pack_sparse_header, sparse_columns, weighted_relu_logits
 
-SCALE_BYTES = 4           # each token's scale (float32, or packed UE8M0 int32) in a cache block
+SCALE_BYTES = contracts.KV_SCALE_BYTES   # each token's scale in a cache block (the layout)
 _CHUNK_BYTES = 1 << 28    # per-chunk working set of the logits references
 NEG_INF = float("-inf")
 

@@ -3,6 +3,8 @@ DeepGEMM's kernels), the bf16 GEMMs' rules, and the error for everything else.""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,134 @@ def test_fp8_grouped_linear_grads_match_dense_math(keys):
     hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
     assert "dot_general" not in hlo
     assert "jax_dg_m_grouped_fp8_gemm_nt_masked" in hlo and "jax_dg_k_grouped_fp8_gemm_nt_contiguous" in hlo
+
+
+# --- the backward through jax_dg.core.derivative.with_vjp is the one it replaced, bitwise --------
+# The formulation before with_vjp (two plain jax.custom_vjp, the oracle's quantisers), kept here
+# verbatim but for the names: jax.grad of the layers must give the same bits.
+
+def _old_linear(x, w):
+    from jax_dg.reference.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+    bf16 = jnp.bfloat16
+
+    def pad_rows(x, multiple):
+        m = x.shape[0]
+        return x if m % multiple == 0 else jnp.pad(x, ((0, -(-m // multiple) * multiple - m), (0, 0)))
+
+    def fwd(x2, w):
+        wq = per_block_cast_to_fp8(w)
+        return jax_dg.fp8_gemm_nt(per_token_cast_to_fp8(x2), wq), (x2, wq, jnp.zeros((), w.dtype))
+
+    @jax.custom_vjp
+    def linear(x2, w):
+        return fwd(x2, w)[0]
+
+    def bwd(res, dy):
+        x2, wq, w_like = res
+        g = dy.astype(bf16)
+        dx = jax_dg.fp8_gemm_nt(per_token_cast_to_fp8(g), (wq[0].T, wq[1].T))
+        gt, xt = pad_rows(g, 16).T, pad_rows(x2, 16).T
+        dw = jax_dg.fp8_gemm_nt(per_token_cast_to_fp8(gt), per_token_cast_to_fp8(xt),
+                                c=jnp.zeros((g.shape[1], x2.shape[1]), F32))
+        return dx.astype(x2.dtype), dw.astype(w_like.dtype)
+    linear.defvjp(fwd, bwd)
+    return linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _old_grouped_linear(x, w, masked_m, expected_m):
+    from jax_dg.reference.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+    pt, pb = jax.vmap(per_token_cast_to_fp8), jax.vmap(per_block_cast_to_fp8)
+
+    def fwd(x, w, masked_m, expected_m):
+        b = pb(w)
+        y = jax_dg.m_grouped_fp8_gemm_nt_masked(pt(x), b, masked_m, expected_m)
+        return y, (x, b, masked_m, jnp.zeros((), w.dtype))
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def grouped(x, w, masked_m, expected_m):
+        return fwd(x, w, masked_m, expected_m)[0]
+
+    def bwd(expected_m, res, dy):
+        x, b, masked_m, w_like = res
+        g_, mmax, _ = x.shape
+        rows = jnp.arange(mmax, dtype=jnp.int32)[None, :, None] < jnp.clip(masked_m, 0, mmax)[:, None, None]
+        g = jnp.where(rows, dy, 0).astype(jnp.bfloat16)
+        bt = (jnp.swapaxes(b[0], 1, 2), jnp.swapaxes(b[1], 1, 2))
+        dx = jax_dg.m_grouped_fp8_gemm_nt_masked(pt(g), bt, masked_m, expected_m)
+        n, k = g.shape[2], x.shape[2]
+        xs = jnp.where(rows, x, 0).astype(jnp.bfloat16)
+        qa, qb = pt(jnp.swapaxes(g, 1, 2)), pt(jnp.swapaxes(xs, 1, 2))
+        a = (qa[0].reshape(-1), jnp.swapaxes(qa[1], 1, 2).reshape(-1, n))
+        bb = (qb[0].reshape(-1), jnp.swapaxes(qb[1], 1, 2).reshape(-1, k))
+        dw = jax_dg.k_grouped_fp8_gemm_nt_contiguous(a, bb, [mmax] * g_, c=jnp.zeros((g_, n, k), F32))
+        return dx.astype(x.dtype), dw.astype(w_like.dtype), None
+    grouped.defvjp(fwd, bwd)
+    return grouped(x, w, masked_m, expected_m)
+
+
+def assert_bitwise(got, want):
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        np.testing.assert_array_equal(np.asarray(g.astype(F32)), np.asarray(r.astype(F32)))
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.bfloat16, F32), (F32, jnp.bfloat16)])
+def test_fp8_linear_grads_are_bitwise_the_previous_formulation(keys, x_dtype, w_dtype):
+    x, w, up = linear_case(keys, lead=(3, 37), n=128, k=272, x_dtype=x_dtype)   # M, K % 128 != 0
+    w = w.astype(w_dtype)
+    new, old = jax_dg.fp8_linear, _old_linear
+    assert_bitwise([jax.jit(new)(x, w)], [jax.jit(old)(x, w)])
+    loss = lambda f: lambda x, w: ((f(x, w).astype(F32) * up) ** 2).sum()   # noqa: E731
+    assert_bitwise(grads(loss(new), x, w), grads(loss(old), x, w))
+    # eagerly, with a cotangent that is no function of y (jax.vjp)
+    ct = up.astype(jnp.bfloat16)
+    assert_bitwise(jax.vjp(new, x, w)[1](ct), jax.vjp(old, x, w)[1](ct))
+
+
+def test_fp8_grouped_linear_grads_are_bitwise_the_previous_formulation(keys):
+    g, m, n, k = 2, 128, 128, 256
+    x = jax.random.normal(keys(), (g, m, k), jnp.bfloat16)
+    w = jax.random.normal(keys(), (g, n, k), F32) * 0.05
+    masked_m = jnp.array([77, 128], jnp.int32)
+    up = jax.random.normal(keys(), (g, m, n), F32)
+    new = lambda x, w: jax_dg.fp8_grouped_linear(x, w, masked_m, 64)     # noqa: E731
+    old = lambda x, w: _old_grouped_linear(x, w, masked_m, 64)           # noqa: E731
+    assert_bitwise([jax.jit(new)(x, w)], [jax.jit(old)(x, w)])
+    loss = lambda f: lambda x, w: ((f(x, w).astype(F32) * up) ** 2).sum()   # noqa: E731
+    assert_bitwise(grads(loss(new), x, w), grads(loss(old), x, w))
+    # masked_m, an integer input, has a float0 cotangent
+    dm = jax.grad(lambda x, mm: jax_dg.fp8_grouped_linear(x, w, mm, 64).astype(F32).sum(),
+                  argnums=1, allow_int=True)(x, masked_m)
+    assert dm.dtype == jax.dtypes.float0
+
+
+def test_with_vjp_saves_once_and_hands_the_rule_what_it_saved():
+    from jax_dg.core import derivative
+    calls = {"save": 0}
+
+    def save(x, n):
+        calls["save"] += 1
+        return x * 2.0
+
+    def call(x, n, saved):
+        return (saved * x).sum() + n.sum()
+
+    def rule(inputs, cts, saved, *, scale):
+        assert set(inputs) == {"x", "n"}
+        return {"x": cts * saved * scale}          # no entry for n: an integer input
+
+    f = derivative.with_vjp(call, ("x", "n"), rule, {"scale": 2.0}, save=save)
+    x, n = jnp.arange(3.0), jnp.arange(3, dtype=jnp.int32)
+    assert float(f(x, n)) == float((2 * x * x).sum() + 3) and calls["save"] == 1
+    calls["save"] = 0
+    y, vjp = jax.vjp(f, x, n)                      # one forward pass: save runs once
+    assert calls["save"] == 1
+    dx, dn = vjp(jnp.ones((), F32))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(2 * x * 2.0))   # the rule, not autodiff
+    assert dn.dtype == jax.dtypes.float0
+    # without save, the rule gets no `saved` and the inputs are kept
+    g = derivative.with_vjp(lambda x: x * 3.0, ("x",), lambda inputs, cts: {"x": cts * 5.0}, {})
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda x: g(x).sum())(x)), np.full(3, 5.0))
 
 
 @pytest.mark.parametrize("family", ["bf16_gemm", "cublaslt_gemm"])

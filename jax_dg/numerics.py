@@ -1,0 +1,49 @@
+"""DeepGEMM's FP8 quantisation arithmetic in jax.numpy: the one piece of math that both the
+product (jax_dg.quant, jax_dg.paged, jax_dg.indexer, jax_dg.ops.linear) and the pure-JAX
+reference (jax_dg.reference.quant, the test oracle) need.
+
+Per block, DeepGEMM (deep_gemm/utils/math.py) computes
+
+    sf     = max(amax of the block, 1e-4) / 448        (rounded up to a power of two: UE8M0)
+    values = (x * (1 / sf)) cast to float8_e4m3fn
+
+Only these element-wise formulas live here; how blocks are formed (padding, reshapes, which
+axes a scale covers) and how scales are stored is each side's own code, so the product and the
+oracle stay two implementations that the tests compare bitwise (and both against DeepGEMM's
+torch formulas, tests/test_quant.py).
+
+Layer: below everything but jax_dg.contracts; it imports jax and nothing of jax_dg. The torch
+reference (jax_dg.backends.torch_ref) does not use it: it states the formulas in torch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0      # largest finite float8_e4m3fn
+SF_FLOOR = 1e-4      # amax floor: an all-zero block gets sf = 1e-4 / 448, not 0
+
+
+def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
+    """Rounds |x| (as float32) up to the next power of two, as DeepGEMM's UE8M0 scales do
+    (exponent clamped to [1, 254]: zero gives 2^-126, infinity 2^127). Unchecked."""
+    bits = jax.lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32), jnp.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.clip(exp, 1, 254) << 23, jnp.float32)
+
+
+def scale_for(amax: jax.Array, use_ue8m0: bool = False) -> jax.Array:
+    """DeepGEMM's scale factor max(amax, 1e-4) / 448 (rounded up to a power of two with UE8M0)."""
+    # Optimisation barriers keep the divisions IEEE divisions, as in torch: XLA's simplifier
+    # turns `a / 448` into `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off
+    # in some scales and then in some FP8 values.
+    sf = jax.lax.optimization_barrier(
+        jnp.maximum(amax, SF_FLOOR) / jax.lax.optimization_barrier(jnp.full_like(amax, FP8_MAX)))
+    return ceil_to_ue8m0(sf) if use_ue8m0 else sf
+
+
+def cast_with_scale(x: jax.Array, sf: jax.Array) -> jax.Array:
+    """x * (1 / sf) cast to float8_e4m3fn (sf broadcast against x), as DeepGEMM computes it."""
+    return (x.astype(jnp.float32) * jax.lax.optimization_barrier(1.0 / sf)).astype(FP8)
