@@ -31,7 +31,7 @@ from jax_dg.reference.gemm import dequant
 
 # A graph-safe op that does nothing: the fixed cost of one jax_dg call (XLA's custom-call thunk
 # and the bridge, Python included), with no kernel and no DeepGEMM host work.
-NOOP = Op(name="_bench_noop", args=("x",), rule=lambda x: [jax.ShapeDtypeStruct((1,), jnp.float32)],
+NOOP = Op(name="_bench_noop", args=("x",), shapes=lambda x: [jax.ShapeDtypeStruct((1,), jnp.float32)],
           run=lambda dg, x, out: None, reference=lambda x: jnp.zeros((1,), jnp.float32),
           graph_safe=frozenset({"sm90", "sm100"}))
 
@@ -119,7 +119,8 @@ def closure_us() -> float:
     guard, run function) called directly with torch views, no XLA."""
     import time
     from jax_dg.core import bridge
-    fn = bridge._prepare(bridge.encode_site("_bench_noop", "deep_gemm", "1", {}, True), "cuda")
+    from jax_dg.core.site import Site
+    fn = bridge._prepare(Site("_bench_noop", "deep_gemm", (True,), True, {}).encode(), "cuda")
     stream = torch.cuda.Stream()
     ins, outs = (torch.zeros(1, device="cuda"),), (torch.zeros(1, device="cuda"),)
     best = float("inf")

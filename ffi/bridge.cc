@@ -17,12 +17,18 @@
 //   views: (pointer, dtype, shape, device) -> torch tensor viewing that memory.
 // Both are touched only with the GIL held.
 
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 #include <cstring>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+
+#include <pthread.h>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -45,6 +51,20 @@ auto* g_views = new std::unordered_map<std::string, nb::object>();
 constexpr size_t kMaxViews = 4096;  // XLA reuses addresses; bound the cache all the same
 // Handler entries, for tests that prove a replayed CUDA graph calls no Python.
 std::atomic<uint64_t> g_calls{0};
+
+// The probe (benchmarks/bench_dispatch.py): when on, each handler entry records when it
+// entered, got the GIL, had its site and views, returned from Python and left, in
+// CLOCK_MONOTONIC nanoseconds (Python's time.monotonic_ns), with its thread. Off: one relaxed
+// load per call.
+std::atomic<bool> g_probe{false};
+std::mutex g_probe_mutex;
+auto* g_probe_events = new std::vector<std::array<uint64_t, 6>>();
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
 
 // DLPack type of an XLA element type. FP8 travels as uint8 and is re-typed in Python
 // (`retype`): DLPack's FP8 codes are newer than some torch builds we must load.
@@ -142,12 +162,16 @@ void KeepPythonThreadState() {
 ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_view site,
                 ffi::RemainingArgs args, ffi::RemainingRets rets) {
   g_calls.fetch_add(1, std::memory_order_relaxed);
+  const bool probe = g_probe.load(std::memory_order_relaxed);
+  std::array<uint64_t, 6> t{};
+  if (probe) t[0] = static_cast<uint64_t>(pthread_self()), t[1] = NowNs();
   if (g_prepare == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jax_dg bridge: called before jax_dg.core.bridge installed its hooks");
   }
   KeepPythonThreadState();
   nb::gil_scoped_acquire gil;
+  if (probe) t[2] = NowNs();
   try {
     const nb::object& fn = Site(site, platform);
     nb::tuple ins = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(args.size())));
@@ -162,11 +186,18 @@ ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_vie
       if (!buf.has_value()) return buf.error();
       PyTuple_SET_ITEM(outs.ptr(), i, View(**buf, platform, device).release().ptr());
     }
+    if (probe) t[3] = NowNs();
     fn(reinterpret_cast<uintptr_t>(stream), device, ins, outs);
+    if (probe) t[4] = NowNs();
   } catch (nb::python_error& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());
   } catch (std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+  if (probe) {
+    t[5] = NowNs();
+    std::lock_guard<std::mutex> lock(g_probe_mutex);
+    g_probe_events->push_back(t);
   }
   return ffi::Error::Success();
 }
@@ -280,6 +311,20 @@ NB_MODULE(_bridge, m) {
     return nb::make_tuple(g_landed.load(), g_refused.load(), g_released.load());
   });
   m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
+  // The probe: on/off (clears what was recorded), and the events recorded since.
+  m.def("probe", [](bool on) {
+    std::lock_guard<std::mutex> lock(g_probe_mutex);
+    g_probe_events->clear();
+    g_probe.store(on);
+  });
+  m.def("probe_events", []() {
+    std::lock_guard<std::mutex> lock(g_probe_mutex);
+    nb::list out;
+    for (const auto& e : *g_probe_events) {
+      out.append(nb::make_tuple(e[0], e[1], e[2], e[3], e[4], e[5]));
+    }
+    return out;
+  });
   m.def("install", [](nb::object prepare, nb::object retype) {
     delete g_prepare;
     delete g_retype;

@@ -29,35 +29,22 @@ def _version(module: str) -> str:
 
 
 def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple[str, str]:
-    """(what a call does here: "native", "reference" or "raises", why) for one Op record."""
-    from jax_dg.backends import deep_gemm
-    if backend == "xla":
-        return "reference", "pure-JAX reference (JAX_DG_BACKEND=xla)"
-    if backend == "torch":
-        return "reference", "torch reference through the bridge (JAX_DG_BACKEND=torch)"
-    if platform_name != "gpu":
-        return "reference", f"torch reference through the bridge ({platform_name}: no CUDA device)"
-    if family not in op.archs:
-        return "raises", (f"UnsupportedArchError: no DeepGEMM kernel on {family} (needs "
-                          f"{', '.join(sorted(op.archs))}); JAX_DG_BACKEND=torch or xla runs the reference")
-    if deep_gemm.module() is None:
-        return "raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}"
-    from jax_dg.backends import kernels
-    own = [s for s in op.symbols if s in kernels.SYMBOLS]          # jax_dg's: kernels/
-    theirs = [s for s in op.symbols if s not in kernels.SYMBOLS]
-    missing = [s for s in theirs if deep_gemm.lookup(s) is None]
-    if missing:
-        return "raises", (f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
-                          f"JAX_DG_BACKEND=torch or xla runs the reference")
-    names = ", ".join(getattr(deep_gemm.lookup(s), "__name__", s) for s in theirs)
-    mine = ", ".join(own) + ("" if kernels.available() else " (not built: their torch reference)")
-    if not own:
-        how = f"DeepGEMM: {names}"
-    else:
-        how = f"DeepGEMM: {names} + jax_dg's {mine}" if theirs else f"jax_dg's own kernels: {mine}"
+    """(what a call does here: "native", "reference" or "raises", why) for one Op record, as
+    jax_dg.core.dispatch.resolve decides it for a call traced on this platform."""
+    from jax_dg import contracts
+    from jax_dg.core import backend as selection
+    from jax_dg.core import dispatch
+    from jax_dg.core.device import Target
+    where = "cuda" if platform_name == "gpu" else platform_name
+    concrete = "xla" if backend == "xla" else selection.concrete(backend, where, strict=False)
+    t = Target(concrete, where, family or contracts.EMULATED_ARCH, 0)
+    how = dispatch.resolve(op, (), t, requested=backend)
+    if how.runs == "raises":
+        return "raises", f"{type(how.error).__name__}: {how.why}"
+    native = how.runs == "deep_gemm" or (how.runs == "native" and where == "cuda")
     forms = [f"with `{arg}`: {', '.join(sorted(archs))} only" for arg, archs in op.arg_archs.items()
-             if family not in archs]
-    return "native", how + (f" ({'; '.join(forms)})" if forms else "")
+             if native and family not in archs]
+    return ("native" if native else "reference"), how.why + (f" ({'; '.join(forms)})" if forms else "")
 
 
 _RANK = {"raises": 0, "reference": 1, "native": 2}

@@ -22,7 +22,6 @@ once, at its first compile: change it before that, not in between.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -33,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg.backends import deep_gemm, kernels
+from jax_dg.backends import deep_gemm
 from jax_dg.core import backend as selection
-from jax_dg.core import bridge, device
+from jax_dg.core import device, native
+from jax_dg.core import op as ops
+from jax_dg.core.site import Site
 
 PROGRESS = ("auto", "bar", "lines", "off")
 
@@ -46,8 +47,9 @@ class Variant:
     op: str
     static: dict
     inputs: dict          # argument name -> "dtype[shape]"
-    kind: str             # "deep_gemm" (JIT-compiled), "own" (jax_dg's kernel, built at install),
-                          # "reference" (the torch reference: nothing to compile)
+    kind: str             # "deep_gemm" (JIT-compiled), "reference" (the torch reference:
+                          # nothing to compile); jax_dg's own kernels are built at install
+                          # and are not call sites here
     status: str = "pending"   # "compiled", "cached", "skipped" (nothing to compile)
     kernels: list = dataclasses.field(default_factory=list)   # cache entries it added
     seconds: float = 0.0
@@ -172,16 +174,18 @@ def _sub_jaxprs(params: dict):
                 yield v.jaxpr
 
 
-def ffi_eqns(jaxpr) -> list:
-    """Every jax_dg ffi_call equation in a jaxpr, nested ones included (jit, custom_jvp/vjp/vmap,
-    custom_partitioning, scan, cond, while bodies), in program order."""
+def ffi_eqns(jaxpr, own: bool = False) -> list:
+    """Every jax_dg bridge ffi_call equation in a jaxpr (with `own`, jax_dg's own kernels' too),
+    nested ones included (jit, custom_jvp/vjp/vmap, custom_partitioning, scan, cond, while
+    bodies), in program order."""
     found = []
     for eqn in jaxpr.eqns:
         target = str(eqn.params.get("target_name", ""))
-        if eqn.primitive.name == "ffi_call" and target.startswith("jax_dg_"):
+        if eqn.primitive.name == "ffi_call" and target.startswith("jax_dg_") and (
+                own or target not in native.TARGETS.values()):   # own kernels: built at install
             found.append(eqn)
         for sub in _sub_jaxprs(eqn.params):
-            found += ffi_eqns(sub)
+            found += ffi_eqns(sub, own)
     return found
 
 
@@ -189,30 +193,29 @@ def _avals(xs) -> tuple:
     return tuple((tuple(a.shape), str(a.dtype)) for a in xs)
 
 
-def _kind(op, backend: str, platform: str) -> str:
-    if platform != "cuda" or selection.concrete(backend, platform, strict=False) != "deep_gemm":
-        return "reference"
-    return "deep_gemm" if any(s not in kernels.SYMBOLS for s in op.symbols) else "own"
+def _kind(backend: str) -> str:
+    """What warm-up does for a bridge call, from its record's backend (resolved at trace time
+    by jax_dg.core.dispatch): "deep_gemm" compiles; the torch reference has nothing to."""
+    return "deep_gemm" if backend == "deep_gemm" else "reference"
 
 
 def call_sites(fn: Callable, *args, **kwargs) -> tuple[list[Variant], int]:
     """(distinct variants, number of call sites) of the jax_dg custom calls fn makes."""
     eqns = ffi_eqns(trace(fn, *args, **kwargs).jaxpr)
-    platform, ops = device.platform(), bridge.registered_ops()
     variants: dict = {}
     for eqn in eqns:
         p = eqn.params
         attrs = dict(p.get("attributes", ()))
-        site = str(attrs.get("site", ""))
         ins, outs = [v.aval for v in eqn.invars], list(p["result_avals"])
-        key = (p["target_name"], site, _avals(ins), _avals(outs))
+        key = (p["target_name"], str(sorted(attrs.items())), _avals(ins), _avals(outs))
         if key in variants:
             variants[key].sites += 1
             continue
-        op_name, backend, present, static, _ = json.loads(site)
-        names = [n for n, c in zip(ops[op_name].args, present) if c == "1"]
+        site = Site.decode(str(attrs["site"]))
+        op_name, static, kind = site.op, dict(site.static), _kind(site.backend)
+        names = [n for n, given in zip(ops.OPS[op_name].args, site.present) if given]
         variants[key] = Variant(
-            op=op_name, static=static, kind=_kind(ops[op_name], backend, platform),
+            op=op_name, static=static, kind=kind,
             inputs={n: f"{a.dtype}[{','.join(map(str, a.shape))}]" for n, a in zip(names, ins)},
             _call=(p, ins, outs, attrs))
     return list(variants.values()), len(eqns)

@@ -85,6 +85,15 @@ def run(backend: str, fn, *args):
         return jax.jit(fn)(*args)
 
 
+def on_cpu(fn, *args):
+    """fn under jax.jit on the CPU device (jax_dg's own kernels: their C++ CPU twin), as numpy:
+    the GPU tests' comparison for the native kernels."""
+    cpu = jax.devices("cpu")[0]
+    args = jax.device_put(args, cpu)
+    with jax.default_device(cpu):
+        return np.asarray(jax.jit(fn)(*args))
+
+
 def digest(*arrays) -> str:
     """Hash of the bytes of arrays (pytrees allowed), to prove inputs are never written."""
     h = hashlib.sha256()
@@ -126,3 +135,25 @@ def device_copies(*arrays):
     were never written (the GPU tests' cheap form of `digest`)."""
     import jax.numpy as jnp
     return jax.tree.map(jnp.copy, arrays)
+
+
+def trace_for_gpu(monkeypatch, arch: str) -> None:
+    """Traces as for a CUDA device of `arch` with a DeepGEMM that has every kernel (lowering
+    only: nothing may run), under the backend asked for. jax_dg resolves the DeepGEMM symbols
+    while tracing."""
+    from jax_dg.backends import deep_gemm
+    from jax_dg.core import backend as selection
+    from jax_dg.core import device
+
+    def lookup(name):
+        def kernel(*args, **kwargs):
+            raise AssertionError(f"{name} ran while the test only traces")
+        kernel.__name__ = name
+        return kernel
+    def target():
+        requested = selection.requested()
+        backend = "xla" if requested == "xla" else selection.concrete(requested, "cuda")
+        return device.Target(backend, "cuda", arch, 132)
+    monkeypatch.setattr(device, "target", target)
+    monkeypatch.setattr(deep_gemm, "module", lambda: object())
+    monkeypatch.setattr(deep_gemm, "lookup", lookup)

@@ -34,10 +34,11 @@ def test_without_the_list_export_refuses_and_says_why():
 
 
 def test_the_list_names_every_target():
-    from jax_dg.core import bridge
+    from jax_dg.core import bridge, native
     names = {c.is_custom_call() for c in jax_dg.export_safety_checks()}
-    assert names == set(bridge.registered_targets())
-    assert {"jax_dg_fp8_gemm_nt", "jax_dg_fp8_gemm_nt_graph", "jax_dg_fp8_fp4_mqa_logits"} <= names
+    assert names == set(bridge.registered_targets()) | set(native.TARGETS.values())
+    assert {"jax_dg_fp8_gemm_nt", "jax_dg_fp8_gemm_nt_graph", "jax_dg_fp8_fp4_mqa_logits",
+            "jax_dg_native_topk", "jax_dg_native_neg_inf_outside"} <= names
 
 
 def test_symbolic_m_for_the_gemms_and_mqa_logits():

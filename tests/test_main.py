@@ -7,7 +7,7 @@ import sys
 
 import jax_dg
 from jax_dg import __main__ as cli
-from jax_dg.core import bridge
+from jax_dg.core.op import OPS
 
 
 def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
@@ -19,7 +19,7 @@ def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
     assert names <= set(jax_dg.__all__) | {f"paged.{n}" for n in jax_dg.paged.__all__}
     # every registered op is reachable from some public function
     exposed = {op for f in info["functions"] for op in f["ops"]}
-    assert exposed == {n for n in bridge.registered_ops() if not n.startswith("_")}
+    assert exposed == {n for n in OPS if not n.startswith("_")}
     gate = next(f for f in info["functions"] if f["name"] == "bf16_mega_gate")
     assert gate["ops"] == ["bf16_mega_gate"]
     assert next(f for f in info["functions"] if f["name"] == "calc_diff")["mode"] == "jax"
@@ -29,13 +29,14 @@ def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
         kernels = [f for f in info["functions"] if f["ops"]]
         assert not any(f["native"] for f in kernels)
         assert {f["mode"] for f in kernels} == {"reference"}
-        assert all("torch reference" in f["how"] for f in kernels)
+        assert all("torch reference" in f["how"] or "own kernel" in f["how"] for f in kernels)
+        assert next(f for f in kernels if f["name"] == "topk_indices")["how"].startswith(
+            "jax_dg's own kernel topk (its C++ twin on cpu")
         assert info["devices"][0]["arch"] is None
 
 
 def test_op_status_reasons():
-    ops = bridge.registered_ops()
-    op = ops["bf16_mega_gate"]
+    op = OPS["bf16_mega_gate"]
     mode, how = cli.op_status(op, "gpu", "sm90", "auto")
     assert mode == "raises" and "UnsupportedArchError" in how and "needs sm100" in how
     assert cli.op_status(op, "gpu", "sm100", "xla") == ("reference", "pure-JAX reference (JAX_DG_BACKEND=xla)")
@@ -47,13 +48,13 @@ def test_jax_dgs_own_kernels_are_not_looked_for_in_deep_gemm(monkeypatch):
     # the logits ops declare jax_dg's -inf kernel next to DeepGEMM's: a DeepGEMM that has the
     # logits kernel runs them natively
     from jax_dg.backends import deep_gemm
-    ops = bridge.registered_ops()
+    ops = OPS
     monkeypatch.setattr(deep_gemm, "module", lambda: object())
     monkeypatch.setattr(deep_gemm, "lookup", lambda name: (lambda: None) if name == "fp8_fp4_mqa_logits" else None)
     mode, how = cli.op_status(ops["fp8_fp4_mqa_logits"], "gpu", "sm90", "auto")
     assert mode == "native" and "neg_inf_outside" in how and "lacks" not in how
     mode, how = cli.op_status(ops["topk_rows"], "gpu", "sm90", "auto")
-    assert mode == "native" and "topk_rows" in how
+    assert mode == "native" and how.startswith("jax_dg's own kernel topk (CUDA)")
 
 
 def test_a_function_runs_as_its_least_capable_op():

@@ -61,30 +61,12 @@ def concrete(backend: str, platform: str, strict: bool = True) -> str:
     return backend
 
 
-class _TorchNamespace:
-    """The torch reference resolved as DeepGEMM's namespace is: any DeepGEMM name, but jax_dg's
-    own kernels only when declared (on the GPU an undeclared one is looked for in DeepGEMM and
-    not found: fail here too, not first there). Looked up at each use, like the module."""
-
-    def __init__(self, module, undeclared: frozenset):
-        self._module, self._undeclared = module, undeclared
-
-    def __getattr__(self, name: str):
-        if name in self._undeclared:
-            raise AttributeError(f"jax_dg: `{name}` (jax_dg's own kernel) is not in the op's symbols")
-        return getattr(self._module, name)
-
-
 def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
     """The kernel namespace an op's run function receives as `dg`: the resolved DeepGEMM
-    symbols plus jax_dg's own kernels (their torch references where those were not built),
-    or the torch reference (which implements both APIs), resolving names the same way."""
-    from jax_dg.backends import kernels, torch_ref
+    symbols, or the torch reference (which implements DeepGEMM's API in plain torch).
+    `backend` is the concrete one the call-site record carries."""
     if concrete(backend, platform) == "torch":
-        return _TorchNamespace(torch_ref, kernels.SYMBOLS - frozenset(symbols))
+        from jax_dg.backends import torch_ref
+        return torch_ref
     from jax_dg.backends import deep_gemm
-    own = [s for s in symbols if s in kernels.SYMBOLS]
-    ns = deep_gemm.namespace(tuple(s for s in symbols if s not in kernels.SYMBOLS))
-    for name in own:
-        setattr(ns, name, getattr(kernels if kernels.available() else torch_ref, name))
-    return ns
+    return deep_gemm.namespace(symbols)

@@ -1,10 +1,10 @@
 """The Python half of the FFI bridge (the C++ half is ffi/bridge.cc).
 
-XLA calls the generic handler with a `site` attribute: a JSON string naming the op, the
-backend, which optional arguments are present, whether the call may be captured into a CUDA
-graph, and the op's static attributes. The handler asks `_prepare(site, platform)` once per
-call site for a callable and caches it; every call then passes XLA's stream, device ordinal and
-torch views of the argument and result buffers to it.
+XLA calls the generic handler with a `site` attribute: the call-site record
+(jax_dg.core.site: the op, the concrete backend, which optional arguments are present, whether
+the call may be captured, the statics and the trace-time plan). The handler asks
+`_prepare(site, platform)` once per call site for a callable and caches it; every call then
+passes XLA's stream, device ordinal and torch views of the argument and result buffers to it.
 
 Capture: an op declared graph-safe (Op.graph_safe) is lowered to a second target whose CUDA
 handler is command-buffer compatible. XLA may then run the call under stream capture on its
@@ -15,7 +15,6 @@ use-after-free on replay.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 import jax  # keep ahead of the extension: loading it first crashes jax's import (see tests)
@@ -24,6 +23,7 @@ import torch
 from jax_dg.core import _bridge
 from jax_dg.core import backend as selection
 from jax_dg.core import runtime
+from jax_dg.core.site import Site
 
 _HANDLERS = _bridge.handlers()
 _GRAPH_HANDLERS = _bridge.graph_handlers()
@@ -57,36 +57,36 @@ def registered_ops() -> dict[str, Any]:
     return dict(_OPS)
 
 
-def encode_site(op_name: str, backend: str, present: str, static: dict, graph: bool = False) -> str:
-    """The `site` attribute: everything the backend needs that is not a buffer."""
-    return json.dumps([op_name, backend, present, static, graph], sort_keys=True,
-                      separators=(",", ":"))
-
-
 def call_count() -> int:
     """Handler entries so far (every platform): a replayed CUDA graph adds none."""
     return _bridge.call_count()
 
 
-def _frozen(value):
-    """JSON lists back into the tuples they were given as (statics are decoded once, here)."""
-    if isinstance(value, list):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _frozen(v) for k, v in value.items()}
-    return value
+def probe(on: bool) -> None:
+    """Starts (or stops) recording when each handler entry runs (benchmarks/bench_dispatch.py);
+    clears what was recorded."""
+    _bridge.probe(bool(on))
 
 
-def _prepare(site: str, platform: str) -> Callable:
-    op_name, backend, present, static, graph = json.loads(site)
-    static = _frozen(static)
+def probe_events() -> list[tuple[int, int, int, int, int, int]]:
+    """(thread, entered, got the GIL, site and views ready, Python returned, left) per handler
+    entry since `probe(True)`, in time.monotonic_ns() nanoseconds."""
+    return _bridge.probe_events()
+
+
+def _prepare(text: str, platform: str) -> Callable:
+    """The closure the handler calls for one call site (cached by the handler under `text`):
+    the record decoded once; what runs at every call is the op's run function and, on CUDA,
+    torch's stream and device made XLA's around it."""
+    site = Site.decode(text)
+    op_name, static, graph = site.op, site.static, site.graph
     op = _OPS[op_name]
-    dg = selection.namespace(backend, platform, op.symbols)
+    dg = selection.namespace(site.backend, platform, op.symbols)
     run_op = op.run
 
     # One flat closure per call site: this runs on every call, keep it lean.
-    if "0" in present:
-        slots = [c == "1" for c in present]
+    if not all(site.present):
+        slots = site.present
 
         def run(ins: tuple, outs: tuple) -> None:
             it = iter(ins)

@@ -52,10 +52,8 @@ def counts() -> dict:
     return {"landed": landed, "refused": refused, "released": released}
 
 
-def _on_cuda(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Tensor]):
+def _on_cuda(out: torch.Tensor, make: Callable[[], torch.Tensor]):
     capacity = out.numel() * out.element_size()
-    if contracts.torch_segment_bytes(request_bytes) > capacity:
-        return make(), None                        # not worth landing: DeepGEMM's own buffer
     device = out.device.index
     pool = torch.cuda.MemPool(allocator())
     refused = _bridge.landing_refused()            # this thread's: other calls cannot move it
@@ -80,18 +78,19 @@ def _on_cuda(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Ten
     return result, pool    # the pool must outlive the result (released once both are dropped)
 
 
-def land(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Tensor],
-         clean: Callable[[torch.Tensor], None] | None = None, clean_landed: bool = True) -> None:
-    """Runs `make` (a DeepGEMM call that allocates its padded result once, `request_bytes`
-    large, and returns a [rows, cols] view of it) so that the result is `out`'s memory, laid
-    out as `out` is ([R, stride]); if it is not, copies it into out[:rows, :cols]. `clean`
-    (the -inf cleaning) runs on the [rows, cols] result before any copy, so that a copy reads
-    only memory a kernel wrote; on a landed result only with `clean_landed` (a reader of
-    the valid positions alone, the indexer's top-k, needs no cleaning). `out` must be XLA's
-    memory (a custom call's result): torch already tracks its own blocks by address."""
+def land(out: torch.Tensor, make: Callable[[], torch.Tensor], lands: bool = True) -> None:
+    """Runs `make` (a DeepGEMM call that allocates its padded result once and returns a
+    [rows, cols] view of it) so that the result is `out`'s memory, laid out as `out` is
+    ([R, stride]), where the trace decided it `lands` (contracts.lands: out covers torch's
+    segment); else, or if it did not land, copies it into out[:rows, :cols] (the copy
+    reads DeepGEMM's whole block, the positions it left unwritten included: they are
+    overwritten or never read after, see the ops' finish). `out` must be XLA's memory (a
+    custom call's result): torch already tracks its own blocks by address."""
     pool = None
-    if out.is_cuda:
-        result, pool = _on_cuda(out, request_bytes, make)
+    if not lands:
+        result = make()                            # DeepGEMM's own buffer, copied below
+    elif out.is_cuda:
+        result, pool = _on_cuda(out, make)
     else:
         ref_device.arm_landing(out)
         try:
@@ -105,8 +104,6 @@ def land(out: torch.Tensor, request_bytes: int, make: Callable[[], torch.Tensor]
                    f"jax_dg declared {out.stride(0)} (a DeepGEMM version it does not know?); "
                    "copying.")
         result = result.clone()
-    if clean is not None and (clean_landed or not landed):
-        clean(result)
     STATS["landed" if landed else "copied"] += 1
     if not landed:
         out[:rows, :cols].copy_(result)

@@ -1,35 +1,38 @@
-"""One op = one declaration; registration, lowering, arch gating and dispatch derive from it.
+"""One op = one declaration; checking, planning, lowering, dispatch and transforms derive from it.
 
     FP8_GEMM_NT = Op(
         name="fp8_gemm_nt",
         args=("a", "sfa", "b", "sfb", "c"),   # array arguments, None allowed (absent)
-        rule=_rule,          # trace time: (*avals, **static) -> output ShapeDtypeStructs;
-                             #   raises ArgumentError naming the argument
-        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, **static)
+        shapes=_shapes,      # trace time: (*avals, **static) -> the call's result types;
+                             #   checks the arguments, raising ArgumentError naming one
+        plan=_plan,          # trace time: (*avals, **static) -> {name: value}: what the run
+                             #   function needs decided (layouts, landing size); optional
+        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, **static,
+                             #   **plan): the DeepGEMM call, no decision
         reference=_ref,      # (*arrays, **static) -> outputs in jax.numpy (oracle, backend "xla")
         symbols=("fp8_gemm_nt",),             # DeepGEMM symbols `run` uses
-        aliases={"c": 0},                     # input that XLA may donate to output 0
+        aliases={"c": 0},                     # input that XLA may donate to result 0
         archs=frozenset({"sm90", "sm100"}),   # where DeepGEMM has the kernel
         arg_archs={},                         # arguments whose kernel form needs other archs
         graph_safe=frozenset({"sm90"}),       # where the call may be captured into a CUDA graph
-        view=None,           # (results, {arg: array}, **static) -> what the op returns, when
-                             #   the custom call's results are physical buffers (padded, scratch)
+        finish=None,         # (results, {arg: array}, **static) -> what the op returns, in XLA:
+                             #   slices of padded results, jax_dg's own kernels that follow
     )
 
-`run` is written against DeepGEMM's own API: `dg` is either the resolved DeepGEMM symbols
-(CUDA) or jax_dg's torch reference of the same contract (CPU, or any device when asked), so one
-function serves both. Absent optional arguments reach it as None; static attributes arrive as
-they were given (tuples stay tuples).
+An op runs either DeepGEMM through the bridge (`run`, written against DeepGEMM's API: `dg` is
+the resolved DeepGEMM symbols on CUDA or the torch reference of the same contract) or one of
+jax_dg's own kernels (`native`: the lowering to its typed FFI handler, jax_dg.core.native, with
+no Python at run time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
 
-`view` exists for DeepGEMM calls that allocate their own padded output: the rule declares the
-custom call's results as DeepGEMM lays them out (so the allocation can land in them, see
-jax_dg.core.landing) and `view` cuts the logical arrays out of them in XLA, where the slice
-fuses into whatever reads it. Batching, sharding and derivatives all see the viewed outputs.
+A call is checked and shaped once (`Op.bind`), planned once, and carried to the bridge as one
+call-site record (jax_dg.core.site). `finish` composes in XLA what follows the custom call:
+the logical view of a padded result, or a native kernel over it (the -inf fill, the top-k).
+Batching, sharding and derivatives see the finished outputs.
 
 `graph_safe` names where `run` allocates nothing on torch's side and launches the same work on
 every call (DeepGEMM architectures, or "torch" for the torch reference): there the op lowers to
 the command-buffer-compatible target, so XLA may capture it into a CUDA graph (see
-jax_dg.core.bridge). Everywhere else it keeps the plain handler.
+jax_dg.core.bridge). Native ops are always capture-safe on CUDA.
 """
 
 from __future__ import annotations
@@ -38,31 +41,35 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import numpy as np
 
 from jax_dg import contracts
-from jax_dg.core import backend as selection
-from jax_dg.core import bridge, device, sharding
-from jax_dg.core.checks import Checker, NotDifferentiableError, UnsupportedArchError, is_torch_tensor
+from jax_dg.core import bridge, derivative, device, dispatch, native, sharding
+from jax_dg.core.checks import Checker, is_torch_tensor
+from jax_dg.core.site import Site
 
-DIFFERENTIABLE = ("bf16_gemm_{nt,nn,tn,tt}", "cublaslt_gemm_{nt,nn,tn,tt}", "fp8_linear",
-                  "fp8_grouped_linear")
+
+OPS: dict[str, "Op"] = {}   # every op declared, by name (test-only ops start with "_")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Op:
     name: str
     args: tuple[str, ...]
-    rule: Callable[..., Sequence[jax.ShapeDtypeStruct]]
-    run: Callable[..., None]
+    shapes: Callable[..., Sequence[jax.ShapeDtypeStruct]]
     reference: Callable[..., Any]
+    run: Callable[..., None] | None = None
+    native: Callable[..., Any] | None = None
+    plan: Callable[..., Mapping[str, Any]] | None = None
     symbols: tuple[str, ...] = ()
+    # jax_dg's own kernels the op launches (jax_dg.core.native): its native lowering, or what
+    # its finish composes after DeepGEMM's call (e.g. the -inf fill)
+    own_kernels: tuple[str, ...] = ()
     aliases: Mapping[str, int] = dataclasses.field(default_factory=dict)
     archs: frozenset[str] = contracts.DEEP_GEMM_ARCHS
     arg_archs: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
     graph_safe: frozenset[str] = frozenset()
-    # Reverse-mode rule: (inputs {name: array or None}, output cotangents, **static) ->
-    # {name: input cotangent}; absent names get zeros. None: differentiating raises.
+    # Reverse-mode rule (jax_dg.core.derivative.with_vjp): (inputs {name: array or None},
+    # output cotangents, **static) -> {name: input cotangent}. None: differentiating raises.
     vjp: Callable[..., Mapping[str, Any]] | None = None
     # Batching rule for jax.vmap: (axis_size, batched {name: bool}, inputs {name: array or None},
     # **static) -> outputs with the batch axis first (a vmapped axis folded into the kernel),
@@ -71,123 +78,128 @@ class Op:
     # Sharding rule (jax_dg.core.sharding.Sharding): which dimensions split with no collective,
     # which are contracted; None: XLA gathers the operands and runs the op whole on each device.
     sharding: Any = None
-    # The op's outputs from the custom call's results (see the module docstring); None: as they are.
-    view: Callable[..., Sequence[Any]] | None = None
-    ffi_name: str = dataclasses.field(default="", init=False)   # the custom-call target
+    finish: Callable[..., Sequence[Any]] | None = None
+    ffi_name: str = dataclasses.field(default="", init=False)   # the bridge's custom-call target
 
     def __post_init__(self):
-        object.__setattr__(self, "ffi_name", bridge.register_op(self))
+        if (self.run is None) == (self.native is None):
+            raise TypeError(f"Op {self.name}: give exactly one of run (DeepGEMM through the "
+                            "bridge) and native (jax_dg's own kernel)")
+        if self.native is not None and not self.own_kernels:
+            raise TypeError(f"Op {self.name}: a native op names its kernel in own_kernels")
+        OPS[self.name] = self
+        object.__setattr__(self, "ffi_name", bridge.register_op(self) if self.run else "")
 
-    def needs(self, given: Sequence[str] = ()) -> frozenset[str]:
-        """The architectures with a DeepGEMM kernel for a call that passes `given` arguments."""
-        archs = self.archs
-        for arg in given:
-            archs = archs & self.arg_archs.get(arg, archs)
-        return archs
-
-    def captures(self, t: device.Target) -> bool:
-        """Whether a call traced for `t` uses the command-buffer-compatible target."""
-        return (t.backend == "deep_gemm" and t.platform == "cuda" and t.arch in self.graph_safe) \
-            or (t.backend == "torch" and "torch" in self.graph_safe)
-
-    def gate(self, given: Sequence[str] = (), t: device.Target | None = None) -> None:
-        """Raises UnsupportedArchError while tracing when DeepGEMM is the target and has no
-        kernel for this call on the target GPU. Op.__call__ runs it; a public function whose
-        own checks depend on the architecture runs it first."""
-        t = device.target() if t is None else t
-        needs = self.needs(given)
-        if t.backend == "deep_gemm" and t.platform == "cuda" and t.arch not in needs:
-            with_args = [a for a in given if a in self.arg_archs]
-            form = f" with `{'`, `'.join(with_args)}`" if with_args else ""
-            raise UnsupportedArchError(
-                f"jax_dg: `{self.name}`{form} has a DeepGEMM kernel only on "
-                f"{', '.join(sorted(needs))}; this GPU is {device.arch() or t.arch}. Its reference "
-                "runs anywhere: JAX_DG_BACKEND=torch (through the bridge) or JAX_DG_BACKEND=xla "
-                "(pure JAX).")
-
-    def __call__(self, *arrays: Any, **static: Any):
+    def bind(self, *arrays: Any, **static: Any) -> "Call":
+        """The call checked and shaped (once): inspect `.types`, then call it."""
         if len(arrays) != len(self.args):
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
-        for name, a in zip(self.args, arrays):   # before any rule reads them
+        for name, a in zip(self.args, arrays):   # before the shape function reads them
             if is_torch_tensor(a):
                 Checker(self.name).array(a, name)
-        self.rule(*arrays, **static)          # the checks, before any backend is chosen
-        backend = selection.requested()
-        if backend == "xla":
-            outs = self.reference(*arrays, **static)
+        return Call(self, arrays, static, tuple(self.shapes(*arrays, **static)))
+
+    def __call__(self, *arrays: Any, **static: Any):
+        return self.bind(*arrays, **static)()
+
+    def gate(self, given: Sequence[str] = ()) -> None:
+        """Raises while tracing what a call passing `given` arguments would raise on this target
+        (UnsupportedArchError, a missing DeepGEMM): for a public function whose own checks
+        depend on the architecture."""
+        dispatch.resolve(self, given, device.target()).check()
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One traced call of an op: its arguments, statics and result types, checked."""
+    op: Op
+    arrays: tuple
+    static: Mapping[str, Any]
+    types: tuple
+
+    def __call__(self):
+        op, static = self.op, dict(self.static)
+        given = [n for n, a in zip(op.args, self.arrays) if a is not None]
+        how = dispatch.resolve(op, given, device.target()).check()
+        if how.runs == "xla":
+            outs = op.reference(*self.arrays, **static)
             return outs if isinstance(outs, tuple) else (outs,)
-        given = [n for n, a in zip(self.args, arrays) if a is not None]
-        t = device.target()
-        self.gate(given, t)
-        graph = self.captures(t)
-        present = "".join("0" if a is None else "1" for a in arrays)
+        plain = self._native() if how.runs == "native" else self._bridged(how, given)
+        call = lambda *xs: plain(xs)   # noqa: E731
+        if op.sharding is not None:
+            call = sharding.partitioned(op.name, op.sharding, given, static, plain)
+        if op.batch is not None or op.sharding is not None:   # custom_partitioning has no vmap
+            call = _with_batching(op, call, given, static)
+        call = (derivative.with_vjp(call, given, op.vjp, static) if op.vjp
+                else derivative.without_derivative(op.name, call))
+        return call(*(a for a in self.arrays if a is not None))
+
+    def _full(self, xs):
+        it = iter(xs)
+        return [next(it) if a is not None else None for a in self.arrays]
+
+    def _finish(self, outs, full):
+        if self.op.finish is not None:
+            outs = self.op.finish(outs, dict(zip(self.op.args, full)), **self.static)
+        return tuple(outs)
+
+    def _native(self):
+        def plain(xs):
+            full = self._full(xs)
+            outs = self.op.native(*full, **self.static)
+            return self._finish(outs if isinstance(outs, (tuple, list)) else (outs,), full)
+        return plain
+
+    def _bridged(self, how: dispatch.Dispatch, given: list[str]):
+        op, static = self.op, self.static
         index = {n: i for i, n in enumerate(given)}
-        aliases = {index[n]: o for n, o in self.aliases.items() if n in index}
-        site = bridge.encode_site(self.name, backend, present, static, graph)
-        target = self.ffi_name + (bridge.GRAPH_SUFFIX if graph else "")
-        slots = [a is not None for a in arrays]
+        aliases = {index[n]: o for n, o in op.aliases.items() if n in index}
+        target = op.ffi_name + (bridge.GRAPH_SUFFIX if how.graph else "")
+        traced = _avals(self.arrays)
+
+        def site_of(full, types):
+            plan = op.plan(*full, **static) if op.plan else {}
+            return Site(op.name, how.runs, tuple(a is not None for a in full), how.graph,
+                        {**static, **plan}).encode()
+        here = (self.types, site_of(self.arrays, self.types))
 
         def plain(xs):
-            """The custom call itself, for these arrays' shapes (global, or a shard's)."""
-            it = iter(xs)
-            full = [next(it) if p else None for p in slots]
-            types = tuple(self.rule(*full, **static))
+            """The custom call for these arrays' shapes: the traced ones, or a shard's."""
+            full = self._full(xs)
+            if _avals(full) == traced:
+                types, site = here
+            else:   # a shard (custom_partitioning): its own shapes and plan
+                types = tuple(op.shapes(*full, **static))
+                site = site_of(full, types)
             fn = jax.ffi.ffi_call(target, types, input_output_aliases=aliases,
                                   vmap_method="sequential")   # only where no batching rule applies
-            outs = tuple(fn(*xs, site=site))
-            if self.view is not None:
-                outs = tuple(self.view(outs, dict(zip(self.args, full)), **static))
-            return outs
+            return self._finish(fn(*xs, site=site), full)
+        return plain
 
-        def call(*xs):
-            return plain(xs)
-        if self.sharding is not None:
-            call = sharding.partitioned(self.name, self.sharding, given, static, plain)
-        if self.batch is not None or self.sharding is not None:   # custom_partitioning has no vmap
-            call = self._with_batching(call, given, static)
-        call = self._with_vjp(call, given, static) if self.vjp else self._without_derivative(call)
-        return call(*(a for a in arrays if a is not None))
 
-    def _with_batching(self, call, names: list[str], static: dict):
-        """`call` under jax.vmap: the record's rule folds the batch into the kernel; where it
-        returns None, one call per batch element (lax.map: a loop in the HLO)."""
-        f = jax.custom_batching.custom_vmap(call)
-        rule = self.batch or (lambda *args, **kwargs: None)
+def composed(base: Op, *, name: str, base_static: Callable[..., Mapping[str, Any]],
+             **fields: Any) -> Op:
+    """An op that makes `base`'s DeepGEMM call (its shapes, plan, run, symbols and
+    architectures) and composes its own `finish` after it, e.g. the indexer: the logits call,
+    then jax_dg's top-k over the scratch it lands in. `base_static(**static)` maps this op's
+    statics to base's (extra keywords, the plan's, pass through)."""
+    def shapes(*arrays, **static):
+        return base.shapes(*arrays, **base_static(**static))
 
-        @f.def_vmap
-        def vmap_rule(axis_size, in_batched, *xs):
-            outs = rule(axis_size, dict(zip(names, in_batched)), dict(zip(names, xs)), **static)
-            if outs is None:
-                outs = _sequential(call, axis_size, in_batched, xs)
-            return tuple(outs), (True,) * len(outs)
-        return f
+    def plan(*arrays, **static):
+        return base.plan(*arrays, **base_static(**static))
 
-    def _without_derivative(self, call):
-        """`call`, raising NotDifferentiableError (not JAX's generic FFI error) when differentiated."""
-        f = jax.custom_jvp(call)
-        name = self.name
+    def run(dg, *buffers, **static):
+        base.run(dg, *buffers, **base_static(**static))
+    return Op(name=name, args=base.args, shapes=shapes, plan=plan if base.plan else None,
+              run=run, symbols=base.symbols, archs=base.archs, arg_archs=base.arg_archs,
+              **fields)
 
-        def jvp(primals, tangents):
-            raise NotDifferentiableError(
-                f"jax_dg: `{name}` has no derivative rule. Differentiable jax_dg functions: "
-                f"{', '.join(DIFFERENTIABLE)}; or trace the pure-JAX reference with "
-                "jax_dg.use_backend('xla') (JAX_DG_BACKEND=xla), which JAX differentiates.")
-        f.defjvp(jvp)
-        return f
 
-    def _with_vjp(self, call, names: list[str], static: dict):
-        """`call` with the record's reverse-mode rule (inputs are saved; outputs are not)."""
-        f = jax.custom_vjp(call)
-        rule = self.vjp
-
-        def fwd(*xs):
-            return call(*xs), xs
-
-        def bwd(xs, cts):
-            grads = rule(dict(zip(names, xs)), cts, **static)
-            return tuple(_cotangent(x, grads.get(n)) for n, x in zip(names, xs))
-        f.defvjp(fwd, bwd)
-        return f
+def targets() -> list[str]:
+    """Every custom-call target jax_dg registers: the bridge's (with their command-buffer
+    twins) and jax_dg's own kernels'."""
+    return sorted(set(bridge.registered_targets()) | set(native.TARGETS.values()))
 
 
 def exposes(*ops: Op):
@@ -199,12 +211,23 @@ def exposes(*ops: Op):
     return mark
 
 
-def _cotangent(x, g):
-    """The cotangent JAX wants for input x: g, zeros where none was computed, float0 for
-    integer inputs."""
-    if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-        return np.zeros(x.shape, jax.dtypes.float0)
-    return jax.numpy.zeros_like(x) if g is None else g.astype(x.dtype)
+def _avals(arrays) -> tuple:
+    return tuple(None if a is None else (tuple(a.shape), str(a.dtype)) for a in arrays)
+
+
+def _with_batching(op: Op, call, names: list[str], static: dict):
+    """`call` under jax.vmap: the record's rule folds the batch into the kernel; where it
+    returns None, one call per batch element (lax.map: a loop in the HLO)."""
+    f = jax.custom_batching.custom_vmap(call)
+    rule = op.batch or (lambda *args, **kwargs: None)
+
+    @f.def_vmap
+    def vmap_rule(axis_size, in_batched, *xs):
+        outs = rule(axis_size, dict(zip(names, in_batched)), dict(zip(names, xs)), **static)
+        if outs is None:
+            outs = _sequential(call, axis_size, in_batched, xs)
+        return tuple(outs), (True,) * len(outs)
+    return f
 
 
 def _sequential(call, axis_size: int, in_batched, xs):

@@ -34,7 +34,7 @@ def _dims(ck: Checker, expr: str, a, b) -> dict[str, int]:
     return size
 
 
-def _einsum_rule(a, b, c, *, expr, out_dtype, use_cublaslt):
+def _einsum_shapes(a, b, c, *, expr, out_dtype, use_cublaslt):
     ck = Checker("einsum")
     ck.that(expr in EXPRS, "expr", f"must be one of {sorted(EXPRS)}", repr(expr))
     a_dims, b_dims, d_dims, contracted = EXPRS[expr]
@@ -85,7 +85,7 @@ def _einsum_run(dg, a, b, c, d, *, expr, out_dtype, use_cublaslt):
 EINSUM = Op(
     name="einsum",
     args=("a", "b", "c"),
-    rule=_einsum_rule,
+    shapes=_einsum_shapes,
     run=_einsum_run,
     reference=ref.einsum,
     symbols=("einsum",),
@@ -115,7 +115,7 @@ def einsum(expr: str, a, b, *, c=None, out_dtype=None, use_cublaslt: bool = Fals
 
 # --- FP8 -------------------------------------------------------------------------------------
 
-def _fp8_einsum_rule(a, sfa, b, sfb, *, expr):
+def _fp8_einsum_shapes(a, sfa, b, sfb, *, expr):
     ck = Checker("fp8_einsum")
     ck.that(expr == "bhr,hdr->bhd", "expr", "must be 'bhr,hdr->bhd' (DeepGEMM runs its other FP8 "
             "expressions on SM100 only)", repr(expr))
@@ -141,7 +141,7 @@ def _fp8_einsum_run(dg, a, sfa, b, sfb, d, *, expr):
 FP8_EINSUM = Op(
     name="fp8_einsum",
     args=("a", "sfa", "b", "sfb"),
-    rule=_fp8_einsum_rule,
+    shapes=_fp8_einsum_shapes,
     run=_fp8_einsum_run,
     reference=ref.fp8_einsum,
     symbols=("fp8_einsum",),

@@ -57,21 +57,21 @@ def _grid(mn: int, k: int, swapped: bool):
     return (k, mn) if swapped else (mn, k)
 
 
-def _grid_rule(swapped: bool, mn: str, k: str) -> str:
+def _grid_text(swapped: bool, mn: str, k: str) -> str:
     return f"[{k}, {mn}]" if swapped else f"[{mn}, {k}]"
 
 
 def _check_operands(ck: Checker, a, b, storage: str, dtype) -> tuple[int, int, int]:
     """Checks a and b (ranks, dtypes, matching K) stored as `storage`; returns (m, n, k)."""
     a_t, b_n = _transposed(storage)
-    ck.ndim(a, "a[0]" if dtype == FP8 else "a", 2, _grid_rule(a_t, "M", "K"))
-    ck.ndim(b, "b[0]" if dtype == FP8 else "b", 2, _grid_rule(b_n, "N", "K"))
+    ck.ndim(a, "a[0]" if dtype == FP8 else "a", 2, _grid_text(a_t, "M", "K"))
+    ck.ndim(b, "b[0]" if dtype == FP8 else "b", 2, _grid_text(b_n, "N", "K"))
     ck.dtype(a, "a[0]" if dtype == FP8 else "a", dtype)
     ck.dtype(b, "b[0]" if dtype == FP8 else "b", dtype)
     m, k = _dims(a.shape, a_t)
     n, kb = _dims(b.shape, b_n)
     ck.that(kb == k, "b[0]" if dtype == FP8 else "b",
-            f"must be {_grid_rule(b_n, 'N', 'K')} with a's K = {k}", tuple(b.shape))
+            f"must be {_grid_text(b_n, 'N', 'K')} with a's K = {k}", tuple(b.shape))
     return m, n, k
 
 
@@ -88,18 +88,18 @@ def _mn_major(storage: str, recipe) -> tuple[bool, bool]:
     return storage == "nt", storage == "nt" and recipe == RECIPE_CHANNEL
 
 
-def _sf_rule(ck: Checker, sf, arg: str, mn: int, kb: int, gran_mn: int, transposed: bool,
-             physical: bool, k_rule: str, mn_name: str) -> None:
+def _check_sf(ck: Checker, sf, arg: str, mn: int, kb: int, gran_mn: int, transposed: bool,
+             physical: bool, k_text: str, mn_name: str) -> None:
     if physical:
         ck.tensor(sf, arg, [F32], (kb, align(mn, 4)),
-                  f"[{k_rule}, align({mn_name}, 4)] (MN-major physical, jax_dg.scales.mn_major_physical)")
+                  f"[{k_text}, align({mn_name}, 4)] (MN-major physical, jax_dg.scales.mn_major_physical)")
     else:
         ck.tensor(sf, arg, [F32], _grid(cdiv(mn, gran_mn), kb, transposed),
-                  _grid_rule(transposed, f"ceil({mn_name}/{gran_mn})", k_rule))
+                  _grid_text(transposed, f"ceil({mn_name}/{gran_mn})", k_text))
 
 
-def _fp8_rule(storage: str, physical: bool = True):
-    def rule(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
+def _fp8_shapes(storage: str, physical: bool = True):
+    def shapes(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
         ck = Checker(f"fp8_gemm_{storage}")
         ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)} on SM90", recipe)
         gm, gn, gk = recipe
@@ -107,8 +107,8 @@ def _fp8_rule(storage: str, physical: bool = True):
         m, n, k = _check_operands(ck, a, b, storage, FP8)
         ck.that(k % 16 == 0, "a[0]", "must have K % 16 == 0 (16-byte rows for TMA)", k)
         phys_a, phys_b = _mn_major(storage, recipe) if physical else (False, False)
-        _sf_rule(ck, sfa, "a[1]", m, cdiv(k, gk), gm, a_t, phys_a, f"ceil(K/{gk})", "M")
-        _sf_rule(ck, sfb, "b[1]", n, cdiv(k, gk), gn, b_n, phys_b, f"ceil(K/{gk})", "N")
+        _check_sf(ck, sfa, "a[1]", m, cdiv(k, gk), gm, a_t, phys_a, f"ceil(K/{gk})", "M")
+        _check_sf(ck, sfb, "b[1]", n, cdiv(k, gk), gn, b_n, phys_b, f"ceil(K/{gk})", "N")
         ck.that(out_dtype == OUT_DTYPE[recipe], "out_dtype",
                 f"must be {OUT_DTYPE[recipe]} with recipe {recipe}", out_dtype)
         align_n = 8 if out_dtype == "bfloat16" else 4
@@ -122,7 +122,7 @@ def _fp8_rule(storage: str, physical: bool = True):
                     "scales, float32 d); DeepGEMM's per-block kernel does not accumulate")
             ck.tensor(c, "c", [F32], (m, n), "[M, N]")
         return [jax.ShapeDtypeStruct((m, n), out_dtype)]
-    return rule
+    return shapes
 
 
 def _fp8_run(storage: str):
@@ -172,7 +172,7 @@ def _masked_batch(op, a, sfa_logical, b, sfb, size: int, m: int):
 def _fp8_batch(storage: str):
     """vmap of fp8_gemm_nt: a batched `a` with a shared `b` folds into M (one GEMM of B*M rows);
     both batched (per-block recipe) run as one masked grouped GEMM; otherwise sequential."""
-    def rule(size, batched, inputs, *, out_dtype, recipe, compiled_dims=None):
+    def shapes(size, batched, inputs, *, out_dtype, recipe, compiled_dims=None):
         if storage != "nt":
             return None
         a, sfa, b, sfb, c = (inputs[n] if n in inputs else None for n in ("a", "sfa", "b", "sfb", "c"))
@@ -189,7 +189,7 @@ def _fp8_batch(storage: str):
             return _masked_batch(M_GROUPED_FP8_MASKED, bcast(a, batched["a"], size), sfa_l,
                                  bcast(b, batched["b"], size), bcast(sfb, batched["sfb"], size), size, m)
         return None
-    return rule
+    return shapes
 
 
 # Sharding: rows (M) and columns (N) split with no collective; a sharded K gives partial
@@ -211,7 +211,7 @@ FP8_GEMM = {
     storage: Op(
         name=f"fp8_gemm_{storage}",
         args=("a", "sfa", "b", "sfb", "c"),
-        rule=_fp8_rule(storage),
+        shapes=_fp8_shapes(storage),
         run=_fp8_run(storage),
         reference=_fp8_reference(storage),
         symbols=(f"fp8_gemm_{storage}",),
@@ -236,7 +236,7 @@ def _fp8_public(storage: str, doc: str):
         ck = Checker(name)
         av, sfa = ck.pair(a, "a")
         bv, sfb = ck.pair(b, "b")
-        ck.ndim(bv, "b[0]", 2, _grid_rule(b_n, "N", "K"))
+        ck.ndim(bv, "b[0]", 2, _grid_text(b_n, "N", "K"))
         ck.ndim(sfb, "b[1]", 2, "scales")
         n = bv.shape[1] if b_n else bv.shape[0]
         if recipe is None:
@@ -245,7 +245,7 @@ def _fp8_public(storage: str, doc: str):
         out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else ck.dtype_name(out_dtype, "out_dtype")
         phys_a, phys_b = _mn_major(storage, recipe)
         if phys_a or phys_b:   # check what the caller gave, then hand the kernel its layout
-            _fp8_rule(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
+            _fp8_shapes(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
             sfa = mn_major_physical(sfa) if phys_a else sfa
             sfb = mn_major_physical(sfb) if phys_b else sfb
         (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe,
@@ -296,9 +296,9 @@ def _head_splits(ck: Checker, head_splits) -> tuple[int, int, int]:
     return tuple(int(v) for v in head_splits)
 
 
-def _skip_head_mid_rule(a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None):
+def _skip_head_mid_shapes(a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None):
     ck = Checker("fp8_gemm_nt_skip_head_mid")
-    m, n = _fp8_rule("nt")(a, sfa, b, sfb, None, out_dtype="bfloat16", recipe=recipe)[0].shape
+    m, n = _fp8_shapes("nt")(a, sfa, b, sfb, None, out_dtype="bfloat16", recipe=recipe)[0].shape
     left, mid, right = head_splits
     ck.that(n % (left + right) == 0, "head_splits",
             f"must have left + right = {left + right} dividing b's N = {n}", head_splits)
@@ -316,7 +316,7 @@ def _skip_head_mid_run(dg, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, comp
 FP8_GEMM_NT_SKIP_HEAD_MID = Op(
     name="fp8_gemm_nt_skip_head_mid",
     args=("a", "sfa", "b", "sfb", "d"),
-    rule=_skip_head_mid_rule,
+    shapes=_skip_head_mid_shapes,
     run=_skip_head_mid_run,
     reference=lambda a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None: ref.fp8_gemm_nt_skip_head_mid(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, d, head_splits=head_splits, recipe=recipe),
@@ -347,7 +347,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None, compiled_dims=None) 
     av, sfa = ck.pair(a, "a")
     bv, sfb = ck.pair(b, "b")
     splits = _head_splits(ck, head_splits)
-    _fp8_rule("nt", physical=False)(av, sfa, bv, sfb, None, out_dtype="bfloat16", recipe=RECIPE_BLOCK)
+    _fp8_shapes("nt", physical=False)(av, sfa, bv, sfb, None, out_dtype="bfloat16", recipe=RECIPE_BLOCK)
     m, n = av.shape[0], bv.shape[0]
     if d is None:
         ck.that(n % (splits[0] + splits[2]) == 0, "head_splits",
@@ -361,10 +361,10 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None, compiled_dims=None) 
 # --- BF16: DeepGEMM's kernels and cuBLASLt, in all four storages ------------------------------
 # DeepGEMM's SM90 BF16 kernel reads either operand K- or MN-major, so all four storages run.
 
-def _bf16_rule(name: str, storage: str, deep_gemm_kernel: bool):
+def _bf16_shapes(name: str, storage: str, deep_gemm_kernel: bool):
     a_t, b_n = _transposed(storage)
 
-    def rule(a, b, c, *, out_dtype, compiled_dims=None):
+    def shapes(a, b, c, *, out_dtype, compiled_dims=None):
         ck = Checker(name)
         m, n, k = _check_operands(ck, a, b, storage, BF16)
         ck.that(out_dtype in ("bfloat16", "float32"), "out_dtype", "must be bfloat16 or float32",
@@ -378,7 +378,7 @@ def _bf16_rule(name: str, storage: str, deep_gemm_kernel: bool):
         if c is not None:
             ck.tensor(c, "c", [out_dtype], (m, n), "[M, N] of out_dtype")
         return [jax.ShapeDtypeStruct((m, n), out_dtype)]
-    return rule
+    return shapes
 
 
 def _bf16_run(name: str):
@@ -402,7 +402,7 @@ def _product(family: str, x, x_t: bool, y, y_n: bool, out_dtype: str):
     storage = ("t" if x_t else "n") + ("n" if y_n else "t")
     ops = BF16_GEMM if family == "bf16_gemm" else CUBLASLT_GEMM
     try:
-        ops[storage].rule(x, y, None, out_dtype=out_dtype)
+        ops[storage].shapes(x, y, None, out_dtype=out_dtype)
     except ArgumentError:
         ops = CUBLASLT_GEMM
     return ops[storage](x, y, None, out_dtype=out_dtype)[0]
@@ -438,7 +438,7 @@ def _bf16_batch(family: str, storage: str):
     sequential."""
     a_t, _ = _transposed(storage)
 
-    def rule(size, batched, inputs, *, out_dtype, compiled_dims=None):
+    def shapes(size, batched, inputs, *, out_dtype, compiled_dims=None):
         a, b, c = inputs["a"], inputs["b"], inputs.get("c")
         if not batched["b"] and not a_t:
             m = a.shape[1] if batched["a"] else a.shape[0]
@@ -452,7 +452,7 @@ def _bf16_batch(family: str, storage: str):
             a, b = bcast(a, batched["a"], size), bcast(b, batched["b"], size)
             return _masked_batch(M_GROUPED_BF16_MASKED, a, None, b, None, size, a.shape[1])
         return None
-    return rule
+    return shapes
 
 
 def _bf16_sharding(storage: str) -> Sharding:
@@ -464,7 +464,7 @@ def _bf16_sharding(storage: str) -> Sharding:
 
 def _bf16_op(family: str, storage: str) -> Op:
     name = f"{family}_{storage}"
-    return Op(name=name, args=("a", "b", "c"), rule=_bf16_rule(name, storage, family == "bf16_gemm"),
+    return Op(name=name, args=("a", "b", "c"), shapes=_bf16_shapes(name, storage, family == "bf16_gemm"),
               run=_bf16_run(name), reference=_bf16_reference(storage), symbols=(name,),
               aliases={"c": 0},
               # no scales, no scratch (cuBLASLt's workspace is DeepGEMM's, made once at start-up)
@@ -516,7 +516,7 @@ def _bf16_public(family: str, storage: str):
     math = f"{'a.T' if a_t else 'a'} @ {'b' if b_n else 'b.T'}"
     fn.__doc__ = _BF16_DOC.format(
         math=math, kernel=f"DeepGEMM {name}" if family == "bf16_gemm" else f"cuBLASLt through DeepGEMM's {name}",
-        a=_grid_rule(a_t, "M", "K"), b=_grid_rule(b_n, "N", "K"),
+        a=_grid_text(a_t, "M", "K"), b=_grid_text(b_n, "N", "K"),
         extra=_DG_EXTRA if family == "bf16_gemm" else "")
     return fn
 

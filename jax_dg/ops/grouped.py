@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dg.contracts import align, cdiv
-from jax_dg.backends import kernels
 from jax_dg.core import runtime as rt
-from jax_dg.core import values
+from jax_dg.core import device, native, values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.core.sharding import Layout, Sharding
@@ -87,9 +86,6 @@ def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
 
 
 SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
-# clean=True zeroes rows with jax_dg's own kernel; its torch stand-in (no CUDA toolkit at build
-# time) allocates a mask.
-SM90_CLEAN = SM90 if kernels.available() else frozenset()
 
 # Sharding: contiguous rows split in whole alignment blocks, masked groups (experts) split, and
 # N splits, all with no collective (every shard holds all experts' weights, or its experts').
@@ -107,14 +103,14 @@ MASKED_SHARDING = Sharding(
 
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
 
-def _contiguous_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, grouped_layout, *, mk_alignment, clean, compiled_dims=None):
+def _contiguous_shapes(name: str, fp8: bool):
+    def shapes(a, sfa, b, sfb, grouped_layout, *, mk_alignment, clean, compiled_dims=None):
         ck = Checker(name)
         _, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=False,
                                          mk_alignment=mk_alignment)
         ck.tensor(grouped_layout, "grouped_layout", [I32], (m,), "[M] (group id per row, -1 = padding)")
         return [jax.ShapeDtypeStruct((m, n), BF16)]
-    return rule
+    return shapes
 
 
 def _use_alignment(dg, mk_alignment):
@@ -130,10 +126,26 @@ def _use_alignment(dg, mk_alignment):
 _SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": False}
 
 
-def _zero_padding_rows(dg, d, grouped_layout, mk_alignment, kind, clean):
-    if clean:   # the skip was established on SM90 only: elsewhere every padding row is zeroed
-        skip = _SKIP_PADDING_BLOCKS[kind] and rt.arch_major(d) == 9
-        dg.zero_padding_rows(d, grouped_layout, mk_alignment, skip)
+def _zero_padding_rows(kind: str):
+    """The contiguous ops' finish: with clean, the padding rows of d zeroed in place by jax_dg's
+    own kernel. The skip was established on SM90 only (DeepGEMM's kernel there): every
+    padding row is zeroed elsewhere, and on the torch reference."""
+    def finish(outs, inputs, *, mk_alignment, clean, compiled_dims=None):
+        (d,) = outs
+        if not clean:
+            return (d,)
+        t = device.target()
+        skip = _SKIP_PADDING_BLOCKS[kind] and t.backend == "deep_gemm" and t.arch == "sm90"
+        return (native.zero_padding_rows(d, inputs["grouped_layout"], block=mk_alignment,
+                                         skip_padding_blocks=skip),)
+    return finish
+
+
+def _zero_masked_tail(outs, inputs, *, expected_m, clean, compiled_dims=None):
+    """The masked ops' finish: with clean, the rows past masked_m zeroed in place by jax_dg's
+    own kernel (DeepGEMM never writes the blocks past masked_m: stale memory)."""
+    (d,) = outs
+    return (native.zero_masked_tail(d, inputs["masked_m"]) if clean else d,)
 
 
 def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, clean,
@@ -141,40 +153,42 @@ def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, 
     _use_alignment(dg, mk_alignment)
     dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
                                         grouped_layout, **rt.dims(compiled_dims))
-    _zero_padding_rows(dg, d, grouped_layout, mk_alignment, "fp8", clean)
 
 
 M_GROUPED_FP8_CONTIGUOUS = Op(
     name="m_grouped_fp8_gemm_nt_contiguous",
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
-    rule=_contiguous_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
+    shapes=_contiguous_shapes("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_contiguous_run,
     reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, clean, compiled_dims=None: ref.m_grouped_fp8_gemm_nt_contiguous(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, layout, mk_alignment=mk_alignment),
-    symbols=("m_grouped_fp8_gemm_nt_contiguous", "zero_padding_rows"),
-    graph_safe=SM90_CLEAN,
+    symbols=("m_grouped_fp8_gemm_nt_contiguous",),
+    own_kernels=("zero_padding_rows",),
+    graph_safe=SM90,
+    finish=_zero_padding_rows("fp8"),
     sharding=CONTIGUOUS_SHARDING,
 )
 
-_bf16_contiguous_rule = _contiguous_rule("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
+_bf16_contiguous_shapes = _contiguous_shapes("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
 def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, clean, compiled_dims=None):
     _use_alignment(dg, mk_alignment)
     dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, **rt.dims(compiled_dims))
-    _zero_padding_rows(dg, d, grouped_layout, mk_alignment, "bf16", clean)
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
     name="m_grouped_bf16_gemm_nt_contiguous",
     args=("a", "b", "grouped_layout"),
-    rule=lambda a, b, grouped_layout, **static: _bf16_contiguous_rule(a, None, b, None, grouped_layout,
+    shapes=lambda a, b, grouped_layout, **static: _bf16_contiguous_shapes(a, None, b, None, grouped_layout,
                                                                       **static),
     run=_bf16_contiguous_run,
     reference=lambda a, b, layout, *, mk_alignment, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_contiguous(
         a, b, layout, mk_alignment=mk_alignment),
-    symbols=("m_grouped_bf16_gemm_nt_contiguous", "zero_padding_rows"),
-    graph_safe=SM90_CLEAN,
+    symbols=("m_grouped_bf16_gemm_nt_contiguous",),
+    own_kernels=("zero_padding_rows",),
+    graph_safe=SM90,
+    finish=_zero_padding_rows("bf16"),
     sharding=CONTIGUOUS_SHARDING,
 )
 
@@ -269,53 +283,53 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = Tru
 
 # --- m-grouped, masked layout -------------------------------------------------------------------
 
-def _masked_rule(name: str, fp8: bool):
-    def rule(a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None):
+def _masked_shapes(name: str, fp8: bool):
+    def shapes(a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None):
         ck = Checker(name)
         g, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=True)
         ck.tensor(masked_m, "masked_m", [I32], (g,), "[G]")
         ck.static_int(expected_m, "expected_m", 1)
         return [jax.ShapeDtypeStruct((g, m, n), BF16)]
-    return rule
+    return shapes
 
 
 def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m, clean, compiled_dims=None):
     dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
                                     expected_m, **rt.dims(compiled_dims))
-    if clean:   # DeepGEMM never writes the blocks past masked_m: stale memory
-        dg.zero_masked_tail(d, masked_m)
 
 
 M_GROUPED_FP8_MASKED = Op(
     name="m_grouped_fp8_gemm_nt_masked",
     args=("a", "sfa", "b", "sfb", "masked_m"),
-    rule=_masked_rule("m_grouped_fp8_gemm_nt_masked", fp8=True),
+    shapes=_masked_shapes("m_grouped_fp8_gemm_nt_masked", fp8=True),
     run=_fp8_masked_run,
     reference=lambda a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_fp8_gemm_nt_masked(
         a, mn_major_logical(sfa, a.shape[1]), b, sfb, masked_m, expected_m=expected_m),
-    symbols=("m_grouped_fp8_gemm_nt_masked", "zero_masked_tail"),
-    graph_safe=SM90_CLEAN,
+    symbols=("m_grouped_fp8_gemm_nt_masked",),
+    own_kernels=("zero_masked_tail",),
+    graph_safe=SM90,
+    finish=_zero_masked_tail,
     sharding=MASKED_SHARDING,
 )
 
-_bf16_masked_rule = _masked_rule("m_grouped_bf16_gemm_nt_masked", fp8=False)
+_bf16_masked_shapes = _masked_shapes("m_grouped_bf16_gemm_nt_masked", fp8=False)
 
 
 def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean, compiled_dims=None):
     dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, **rt.dims(compiled_dims))
-    if clean:
-        dg.zero_masked_tail(d, masked_m)
 
 
 M_GROUPED_BF16_MASKED = Op(
     name="m_grouped_bf16_gemm_nt_masked",
     args=("a", "b", "masked_m"),
-    rule=lambda a, b, masked_m, **static: _bf16_masked_rule(a, None, b, None, masked_m, **static),
+    shapes=lambda a, b, masked_m, **static: _bf16_masked_shapes(a, None, b, None, masked_m, **static),
     run=_bf16_masked_run,
     reference=lambda a, b, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_masked(
         a, b, masked_m, expected_m=expected_m),
-    symbols=("m_grouped_bf16_gemm_nt_masked", "zero_masked_tail"),
-    graph_safe=SM90_CLEAN,
+    symbols=("m_grouped_bf16_gemm_nt_masked",),
+    own_kernels=("zero_masked_tail",),
+    graph_safe=SM90,
+    finish=_zero_masked_tail,
     sharding=MASKED_SHARDING,
 )
 
@@ -390,7 +404,7 @@ def _k_grouped_c(ck: Checker, c, ks):
     return g, m, n
 
 
-def _k_grouped_rule(a, sfa, b, sfb, ks_tensor, c, *, ks, compiled_dims=None):
+def _k_grouped_shapes(a, sfa, b, sfb, ks_tensor, c, *, ks, compiled_dims=None):
     ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
     g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(n % 4 == 0, "c", "must have N % 4 == 0 (16-byte rows of the float32 d)", n)
@@ -412,7 +426,7 @@ def _k_grouped_run(dg, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims=Non
 K_GROUPED_FP8 = Op(
     name="k_grouped_fp8_gemm_nt_contiguous",
     args=("a", "sfa", "b", "sfb", "ks_tensor", "c"),
-    rule=_k_grouped_rule,
+    shapes=_k_grouped_shapes,
     run=_k_grouped_run,
     reference=lambda *arrays, ks, compiled_dims=None: ref.k_grouped_fp8_gemm_nt_contiguous(*arrays, ks=ks),
     symbols=("k_grouped_fp8_gemm_nt_contiguous",),
@@ -462,8 +476,8 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c, compiled_dims: str | None =
 # here with clean=True, a select in XLA). These records also run the grouped nn form, with
 # either layout.
 
-def _psum_rule(name: str, fp8: bool, nn: bool = False):
-    def rule(a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
+def _psum_shapes(name: str, fp8: bool, nn: bool = False):
+    def shapes(a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
         ck = Checker(name)
         bk = b if not nn else jax.ShapeDtypeStruct((b.shape[0], b.shape[2], b.shape[1]), b.dtype)
         if nn:
@@ -475,7 +489,7 @@ def _psum_rule(name: str, fp8: bool, nn: bool = False):
         else:
             ck.tensor(layout, "grouped_layout", [I32], (m,), "[M] (group id per row, -1 = padding)")
         return [jax.ShapeDtypeStruct((m, n), BF16)]
-    return rule
+    return shapes
 
 
 def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
@@ -509,7 +523,7 @@ def _layout_reference(x, w, layout, mk_alignment, use_psum_layout):
 M_GROUPED_FP8_PSUM = Op(
     name="m_grouped_fp8_gemm_nt_contiguous_psum",
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
-    rule=_psum_rule("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
+    shapes=_psum_shapes("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_psum_run,
     reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
         _layout_reference(ref.dequant(a, mn_major_logical(sfa, a.shape[0]), 1, 128),
@@ -520,11 +534,11 @@ M_GROUPED_FP8_PSUM = Op(
 
 
 def _bf16_layout_op(name: str, symbol: str, nn: bool) -> Op:
-    rule = _psum_rule(name, fp8=False, nn=nn)
+    psum_shapes = _psum_shapes(name, fp8=False, nn=nn)
     return Op(
         name=name + ("" if nn else "_psum"),
         args=("a", "b", "grouped_layout"),
-        rule=lambda a, b, layout, **static: rule(a, None, b, None, layout, **static),
+        shapes=lambda a, b, layout, **static: psum_shapes(a, None, b, None, layout, **static),
         run=_bf16_layout_run(symbol),
         reference=lambda a, b, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
             _layout_reference(a, jnp.swapaxes(b, 1, 2) if nn else b, layout, mk_alignment,
@@ -621,7 +635,7 @@ def m_grouped_bf16_gemm_nn_contiguous(a, b, grouped_layout, *, clean: bool = Tru
 
 # --- k-grouped BF16 (weight gradients in BF16) ----------------------------------------------------
 
-def _k_grouped_bf16_rule(a, b, ks_tensor, c, *, ks, compiled_dims):
+def _k_grouped_bf16_shapes(a, b, ks_tensor, c, *, ks, compiled_dims):
     ck = Checker("k_grouped_bf16_gemm_tn_contiguous")
     g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(m % 8 == 0 and n % 8 == 0, "c", "must have M % 8 == 0 and N % 8 == 0 (16-byte rows of "
@@ -642,7 +656,7 @@ def _k_grouped_bf16_run(dg, a, b, ks_tensor, c, d, *, ks, compiled_dims):
 K_GROUPED_BF16 = Op(
     name="k_grouped_bf16_gemm_tn_contiguous",
     args=("a", "b", "ks_tensor", "c"),
-    rule=_k_grouped_bf16_rule,
+    shapes=_k_grouped_bf16_shapes,
     run=_k_grouped_bf16_run,
     reference=lambda a, b, ks_tensor, c, *, ks, compiled_dims: ref.k_grouped_bf16_gemm_tn_contiguous(a, b, c, ks=ks),
     symbols=("k_grouped_bf16_gemm_tn_contiguous",),

@@ -12,7 +12,7 @@ from jax_dg.reference import hyperconnection as ref
 F32 = jnp.float32
 
 
-def _rule(x, fn, *, num_split):
+def _shapes(x, fn, *, num_split):
     ck = Checker("tf32_hc_prenorm_gemm")
     ck.ndim(x, "x", 2, "[M, K]")
     ck.dtype(x, "x", jnp.bfloat16)
@@ -38,7 +38,7 @@ def _run(dg, x, fn, d, sqr_sum, *, num_split):
 TF32_HC_PRENORM_GEMM = Op(
     name="tf32_hc_prenorm_gemm",
     args=("x", "fn"),
-    rule=_rule,
+    shapes=_shapes,
     run=_run,
     reference=ref.tf32_hc_prenorm_gemm,
     symbols=("tf32_hc_prenorm_gemm",),

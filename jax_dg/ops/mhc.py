@@ -21,7 +21,7 @@ MAX_TOKENS = 1 << 20
 SF_LAYOUTS = (None, "gemm", "routed")
 
 
-def _rule(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
+def _shapes(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
           rmsnorm_weight, *, hc_mult, hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps,
           num_sinkhorn_iters, rmsnorm_eps, rmsnorm_scale, with_bf16, sf_layout, shared_sf_block_m):
     ck = Checker("mega_mhc")
@@ -106,7 +106,7 @@ MEGA_MHC = Op(
     name="mega_mhc",
     args=("x", "residual", "shifted_prev_mix", "post_mix", "comb_res_mix", "fn", "mix_scales",
           "mix_bases", "rmsnorm_weight"),
-    rule=_rule,
+    shapes=_shapes,
     run=_run,
     reference=ref.mega_mhc,
     symbols=("mega_mhc",),

@@ -29,7 +29,7 @@ def index_dtype() -> str:
     return "int64" if jax.config.jax_enable_x64 else "int32"
 
 
-def _rule(x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map,
+def _shapes(x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map,
           logical_count, unmapped_topk_idx, *, num_topk, scoring_func, routed_scaling_factor,
           ep_rank, num_shared_experts, index_dtype):
     ck = Checker("bf16_mega_gate")
@@ -115,7 +115,7 @@ BF16_MEGA_GATE = Op(
     name="bf16_mega_gate",
     args=("x", "weight", "mask", "bias", "image_bias", "image_token_mask", "fix_routing_mask",
           "to_physical_map", "logical_count", "unmapped_topk_idx"),
-    rule=_rule,
+    shapes=_shapes,
     run=_run,
     reference=ref.bf16_mega_gate,
     symbols=("bf16_mega_gate",),

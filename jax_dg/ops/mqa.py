@@ -22,7 +22,7 @@ from jax_dg.backends import deep_gemm
 from jax_dg.core import landing
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
-from jax_dg.core import device, values
+from jax_dg.core import device, native, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.indexer import fold_q_scale
@@ -63,7 +63,7 @@ def check_logits_dtype(ck: Checker, logits_dtype) -> str:
     return name
 
 
-def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
+def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
                      logits_dtype="float32"):
     ck = Checker("mqa_logits")
     ck.ndim(q, "q[0]", 3, "[M, H, D]")
@@ -84,22 +84,25 @@ def _mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logit
     return [logits_buffer(rows, stride, logits_dtype)]
 
 
+def _mqa_logits_plan(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
+                     logits_dtype="float32"):
+    rows, stride = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
+                                               stride_align)
+    return {"lands": contracts.lands(rows, stride, contracts.LOGITS_ITEMSIZE[logits_dtype],
+                                     device.target().platform == "cuda")}
+
+
 def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits,
-                    stride_align, logits_dtype="float32"):
+                    stride_align, lands, logits_dtype="float32"):
     # DeepGEMM writes its own allocation: land it in `out`. Keywords from the 6th argument on:
     # DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes clean_logits there (a positional int
     # would turn into clean_logits=True); >= 2.8 has no clean_logits at all (backends.deep_gemm
     # drops it by signature). DeepGEMM's own cleaning is never asked for: it has none for the
-    # compressed form, and jax_dg's writes the same positions in every version.
-    rows, stride = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
-                                               stride_align)
-
-    def clean(logits):   # -inf outside [ks, ke) (compressed: past column ke - ks)
-        dg.neg_inf_outside(logits, ks, ke, q.shape[0], max_seqlen_k or kv.shape[0],
-                           relative=bool(max_seqlen_k))
-    landing.land(out, rows * stride * out.element_size(), lambda: dg.fp8_fp4_mqa_logits(
+    # compressed form, and jax_dg's -inf kernel (the op's finish) writes the same positions in
+    # every version.
+    landing.land(out, lambda: dg.fp8_fp4_mqa_logits(
         (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k,
-        logits_dtype=rt.dtype(logits_dtype)), clean, clean_landed=clean_logits)
+        logits_dtype=rt.dtype(logits_dtype)), lands)
 
 
 def compressed_lens(ks, ke, num_keys: int):
@@ -108,10 +111,16 @@ def compressed_lens(ks, ke, num_keys: int):
     return jnp.minimum(ke, num_keys) - ks
 
 
-def _mqa_logits_view(outs, inputs, *, max_seqlen_k, clean_logits, stride_align,
-                     logits_dtype="float32"):
-    (buf,) = outs   # the invalid positions are -inf already (clean_logits: the run wrote them)
-    return (buf[:inputs["q"].shape[0], :max_seqlen_k or inputs["kv"].shape[0]],)
+def _mqa_logits_finish(outs, inputs, *, max_seqlen_k, clean_logits, stride_align,
+                       logits_dtype="float32"):
+    """The [M, width] block of the padded buffer; with clean_logits, -inf written first (in
+    place, jax_dg's own kernel) outside [ks, ke), or past column ke - ks in the compressed form."""
+    (buf,) = outs
+    m, cols = inputs["q"].shape[0], max_seqlen_k or inputs["kv"].shape[0]
+    if clean_logits:
+        buf = native.neg_inf_outside(buf, inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"],
+                                     cols=cols, relative=bool(max_seqlen_k))
+    return (buf[:m, :cols],)
 
 
 def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
@@ -146,12 +155,14 @@ def query_sharding(out) -> Sharding:
 FP8_MQA_LOGITS = Op(
     name="fp8_fp4_mqa_logits",
     args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke"),
-    rule=_mqa_logits_rule,
+    shapes=_mqa_logits_shapes,
+    plan=_mqa_logits_plan,
     run=_mqa_logits_run,
     reference=_mqa_logits_reference,
-    symbols=("fp8_fp4_mqa_logits", "neg_inf_outside"),
+    symbols=("fp8_fp4_mqa_logits",),
+    own_kernels=("neg_inf_outside",),
     batch=_mqa_logits_batch,
-    view=_mqa_logits_view,
+    finish=_mqa_logits_finish,
     sharding=query_sharding(lambda static: "m w" if static["max_seqlen_k"] else "m n"),
 )
 
@@ -211,11 +222,11 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
     dtype = check_logits_dtype(ck, logits_dtype)
     static = dict(max_seqlen_k=width, clean_logits=ck.static_bool(clean_logits, "clean_logits"),
                   stride_align=stride_align(dtype), logits_dtype=dtype)
-    _mqa_logits_rule(*arrays, **static)
+    call = FP8_MQA_LOGITS.bind(*arrays, **static)
     shape = (arrays[0].shape[0], width or arrays[1].shape[0])
     if 0 in shape or arrays[1].shape[0] == 0:  # nothing to score: every position is invalid
         return jnp.full(shape, NEG_INF, dtype)
-    (logits,) = FP8_MQA_LOGITS(*arrays, **static)
+    (logits,) = call()
     return logits
 
 
@@ -292,7 +303,7 @@ def qk_dtype_name(ck: Checker, qk_dtype) -> str:
     return name
 
 
-def _sparse_meta_rule(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+def _sparse_meta_shapes(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
     ck = Checker("get_sparse_mqa_logits_metadata")
     ck.ndim(ks, "cu_seqlen_ks", 1, "[M]")
     ck.dtype(ks, "cu_seqlen_ks", I32)
@@ -330,7 +341,7 @@ def _sparse_meta_reference(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_b
 GET_SPARSE_MQA_LOGITS_METADATA = Op(
     name="get_sparse_mqa_logits_metadata",
     args=("cu_seqlen_ks", "cu_seqlen_ke", "sparse_kv_block_indices"),
-    rule=_sparse_meta_rule,
+    shapes=_sparse_meta_shapes,
     run=_sparse_meta_run,
     reference=_sparse_meta_reference,
     symbols=("get_sparse_mqa_logits_metadata",),
@@ -370,7 +381,7 @@ def get_sparse_mqa_logits_metadata(cu_seqlen_ks, cu_seqlen_ke, num_kv_tokens: in
     return meta
 
 
-def _sparse_rule(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks, sparse_block_kv,
+def _sparse_shapes(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks, sparse_block_kv,
                  clean_logits):
     ck = Checker("fp8_fp4_sparse_mqa_logits")
     ck.ndim(q, "q[0]", 3, "[M, H, D] (D/2 bytes for packed FP4)")
@@ -418,7 +429,7 @@ def _sparse_reference(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_b
 FP8_FP4_SPARSE_MQA_LOGITS = Op(
     name="fp8_fp4_sparse_mqa_logits",
     args=("q", "q_sf", "kv", "kv_sf", "weights", "metadata"),
-    rule=_sparse_rule,
+    shapes=_sparse_shapes,
     run=_sparse_run,
     reference=_sparse_reference,
     symbols=("fp8_fp4_sparse_mqa_logits",),

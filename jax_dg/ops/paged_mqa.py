@@ -46,7 +46,7 @@ from jax_dg.backends import deep_gemm
 from jax_dg.core import landing
 from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
-from jax_dg.core import device, values
+from jax_dg.core import device, native, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.mqa import check_logits_dtype, logits_buffer, qk_dtype_name, stride_align
@@ -102,7 +102,7 @@ def has_deep_gemm_sparse_mqa() -> bool:
 
 # --- schedule metadata ------------------------------------------------------------------------
 
-def _metadata_rule(context_lens, indices, *, block_kv, num_sms):
+def _metadata_shapes(context_lens, indices, *, block_kv, num_sms):
     return [jax.ShapeDtypeStruct((num_sms + 1, 2), I32)]
 
 
@@ -122,7 +122,7 @@ SM100 = frozenset({"sm100"})
 GET_PAGED_MQA_LOGITS_METADATA = Op(
     name="get_paged_mqa_logits_metadata",
     args=("context_lens", "indices"),
-    rule=_metadata_rule,
+    shapes=_metadata_shapes,
     run=_metadata_run,
     reference=_metadata_reference,
     symbols=("get_paged_mqa_logits_metadata",),
@@ -184,7 +184,7 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
 
 # --- dense paged logits -----------------------------------------------------------------------
 
-def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+def _logits_shapes(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                  indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
                  stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
     # float32 rows are align(L, 256) in every DeepGEMM version: the default serves the indexer
@@ -192,28 +192,35 @@ def _logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedul
     return [logits_buffer(*layout, logits_dtype)]
 
 
+def _logits_plan(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                 indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
+                 stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
+    rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
+    return {"lands": contracts.lands(rows, stride, contracts.LOGITS_ITEMSIZE[logits_dtype],
+                                     device.target().platform == "cuda")}
+
+
 def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, out, *, max_model_len, clean_logits, slots, logits_dtype="float32",
-                stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
+                indices, out, *, max_model_len, clean_logits, slots, lands,
+                logits_dtype="float32", stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
     kw = {} if indices is None else {"indices": indices}
-    if schedule_metadata is None:   # the schedule of exactly these rows (a shard's, under jit)
+    if schedule_metadata is None:   # absent (a trace-time fact): the schedule of exactly these rows
         schedule_metadata = dg.get_paged_mqa_logits_metadata(context_lens, kv_cache.shape[1], slots, **kw)
     # DeepGEMM's allocation lands in `out` (jax_dg.core.landing). Keywords: positional
     # arguments after the 7th changed meaning across DeepGEMM releases.
-    rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
-    lens = context_lens.reshape(-1)
-
-    def clean(logits):   # -inf past each row's length
-        dg.neg_inf_outside(logits, None, lens, lens.shape[0], max_model_len)
-    landing.land(out, rows * stride * out.element_size(), lambda: dg.fp8_fp4_paged_mqa_logits(
+    landing.land(out, lambda: dg.fp8_fp4_paged_mqa_logits(
         (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw),
-        clean, clean_landed=clean_logits)
+        max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw), lands)
 
 
-def _logits_view(outs, inputs, *, max_model_len, clean_logits, slots, **layout):
-    (buf,) = outs   # the positions past each length are -inf already (clean_logits: the run)
-    return (buf[:inputs["context_lens"].size, :max_model_len],)
+def _logits_finish(outs, inputs, *, max_model_len, clean_logits, slots, **layout):
+    """The [B * next_n, max_model_len] block; with clean_logits, -inf past each row's length
+    written first (in place, jax_dg's own kernel)."""
+    (buf,) = outs
+    lens = inputs["context_lens"].reshape(-1)
+    if clean_logits:
+        buf = native.neg_inf_outside(buf, None, lens, cols=max_model_len, relative=False)
+    return (buf[:lens.shape[0], :max_model_len],)
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -252,13 +259,15 @@ PAGED_MQA_LOGITS = Op(
     name="fp8_fp4_paged_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata",
           "indices"),
-    rule=_logits_rule,
+    shapes=_logits_shapes,
+    plan=_logits_plan,
     run=_logits_run,
     reference=_logits_reference,
-    symbols=("fp8_fp4_paged_mqa_logits", "neg_inf_outside"),
+    symbols=("fp8_fp4_paged_mqa_logits",),
+    own_kernels=("neg_inf_outside",),
     arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
     batch=_logits_batch,
-    view=_logits_view,
+    finish=_logits_finish,
     sharding=request_sharding("bj l"),
 )
 
@@ -435,7 +444,7 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, *, max_mo
 # then the backend's own schedule (DeepGEMM's opaque one on SM100; the references' table
 # elsewhere). The header lets every backend clean.
 
-def _sparse_metadata_rule(context_lens, block_table, indices, sparse_kv_block_indices, *,
+def _sparse_metadata_shapes(context_lens, block_table, indices, sparse_kv_block_indices, *,
                           page_kv, qk_dtype, sparse_block_kv, size):
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
@@ -460,7 +469,7 @@ def _sparse_metadata_reference(context_lens, block_table, indices, sparse_kv_blo
 GET_PAGED_SPARSE_MQA_LOGITS_METADATA = Op(
     name="get_paged_sparse_mqa_logits_metadata",
     args=("context_lens", "block_table", "indices", "sparse_kv_block_indices"),
-    rule=_sparse_metadata_rule,
+    shapes=_sparse_metadata_shapes,
     run=_sparse_metadata_run,
     reference=_sparse_metadata_reference,
     symbols=("get_paged_sparse_mqa_logits_metadata",),
@@ -468,7 +477,7 @@ GET_PAGED_SPARSE_MQA_LOGITS_METADATA = Op(
 )
 
 
-def _sparse_logits_rule(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks,
+def _sparse_logits_shapes(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks,
                         sparse_block_kv, clean_logits):
     return [jax.ShapeDtypeStruct((q.shape[0], num_max_sparse_blocks * sparse_block_kv), jnp.bfloat16)]
 
@@ -496,7 +505,7 @@ def _sparse_logits_reference(q, q_sf, kv_cache, weights, metadata, *, num_max_sp
 PAGED_SPARSE_MQA_LOGITS = Op(
     name="fp8_fp4_paged_sparse_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "metadata"),
-    rule=_sparse_logits_rule,
+    shapes=_sparse_logits_shapes,
     run=_sparse_logits_run,
     reference=_sparse_logits_reference,
     symbols=("fp8_fp4_paged_sparse_mqa_logits",),

@@ -1,20 +1,17 @@
-"""The indexer's selection: per-row top-k of logits, and the whole indexer step in one call.
+"""The indexer's selection: per-row top-k of logits, and the whole indexer step.
 
-- `topk_indices(logits, k)`: the columns of each row's k largest logits. On the GPU this is
-  jax_dg's own kernel (kernels/topk.cu: a radix select, then a sort of the k survivors), exact
-  and deterministic: the same indices in the same order as `lax.top_k` documents (value
-  descending, lower index first on ties; XLA's own GPU top-k keeps that tie order only for
-  short rows: it splits rows of 32k keys and more). `sorted=False` gives the same set in
-  column order without the sort. -inf, NaN and columns outside an optional [ks, ke) range are not
-  candidates; slots past a row's candidates are -1.
-- `indexer_topk(q, kv, weights, ks, ke, k)`: DeepGEMM's MQA logits and that selection in one
-  custom call. The logits land in a scratch result that only the selection reads (it never
-  becomes a JAX array): the selection ignores positions outside [ks, ke) itself. Below 10 MiB
-  the scratch is copied, not landed, and cleaned first so that the copy reads only written
-  memory. `paged_indexer_topk` is the same for the paged decode step.
-
-Where the kernel was not built (no CUDA toolkit at install), the torch reference of the same
-contract runs (a stable sort: exact, slower).
+- `topk_indices(logits, k)`: the columns of each row's k largest logits, by jax_dg's own kernel
+  (a native FFI handler: kernels/topk.cu on CUDA, a radix select then a sort of the k
+  survivors; its C++ twin on CPU), exact and deterministic: the same indices in the same order
+  as `lax.top_k` documents (value descending, lower index first on ties; XLA's own GPU top-k
+  keeps that tie order only for short rows: it splits rows of 32k keys and more).
+  `sorted=False` gives the same set in column order without the sort. -inf, NaN and columns
+  outside an optional [ks, ke) range are not candidates; slots past a row's candidates are -1.
+- `indexer_topk(q, kv, weights, ks, ke, k)`: DeepGEMM's MQA logits call, then that kernel,
+  composed in XLA (core.op.composed): the logits land in a scratch result that only the
+  selection reads (it never becomes a JAX array); the selection ignores positions outside
+  [ks, ke) itself, so no -inf fill runs. `paged_indexer_topk` is the same for the paged decode
+  step.
 """
 
 from __future__ import annotations
@@ -22,10 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.backends import kernels
-from jax_dg.core import values
+from jax_dg.core import native, values
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.op import Op, bcast, composed, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops import mqa, paged_mqa
 from jax_dg.reference import mqa as ref_mqa
@@ -35,8 +31,6 @@ from jax_dg.reference import topk as ref
 F32 = jnp.float32
 I32 = jnp.int32
 MAX_K = 4096       # kernels/topk.cu sorts the survivors in shared memory
-# Capture-safe where the kernel runs (it allocates nothing); the torch reference allocates.
-_GRAPH_SAFE = frozenset({"sm90", "sm100"}) if kernels.available() else frozenset()
 
 
 def _check_sorted(ck: Checker, sorted) -> bool:
@@ -51,7 +45,7 @@ def _check_k(ck: Checker, k) -> int:
 
 # --- topk over a logits array -----------------------------------------------------------------
 
-def _topk_rule(logits, lo, hi, *, k, sorted):
+def _topk_shapes(logits, lo, hi, *, k, sorted):
     ck = Checker("topk_indices")
     ck.ndim(logits, "logits", 2, "[M, N]")
     ck.dtype(logits, "logits", F32)
@@ -62,8 +56,8 @@ def _topk_rule(logits, lo, hi, *, k, sorted):
     return [jax.ShapeDtypeStruct((m, k), I32)]
 
 
-def _topk_run(dg, logits, lo, hi, out, *, k, sorted):
-    dg.topk_rows(logits, lo, hi, out, logits.shape[1], sorted)
+def _topk_native(logits, lo, hi, *, k, sorted):
+    return native.topk(logits, lo, hi, k=k, cols=logits.shape[1], sorted=sorted, rows=logits.shape[0])
 
 
 def _topk_reference(logits, lo, hi, *, k, sorted):
@@ -82,11 +76,10 @@ def _topk_batch(size, batched, inputs, *, k, sorted):
 TOPK = Op(
     name="topk_rows",
     args=("logits", "lo", "hi"),
-    rule=_topk_rule,
-    run=_topk_run,
+    shapes=_topk_shapes,
+    native=_topk_native,
     reference=_topk_reference,
-    symbols=("topk_rows",),
-    graph_safe=_GRAPH_SAFE,
+    own_kernels=("topk",),
     batch=_topk_batch,
     # rows split with no collective; a row's columns are never split
     sharding=Sharding(lambda names, **static: Layout({"logits": "m n", "lo": "m", "hi": "m"}, ["m k"]),
@@ -125,7 +118,7 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
     if offsets is not None:
         ck.tensor(offsets, "offsets", [I32], (logits.shape[0],) if logits.ndim == 2 else (), "[M]")
     sorted = _check_sorted(ck, sorted)
-    _topk_rule(logits, ks, ke, k=k, sorted=sorted)
+    call = TOPK.bind(logits, ks, ke, k=k, sorted=sorted)
     # The kernel clamps [ks, ke) to [0, N) itself (kernels/topk.cu): checked mode only.
     if ks is not None:
         values.require("topk_indices", "ks", ks >= 0, "must be >= 0 (a column)", ks)
@@ -135,44 +128,47 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
     if 0 in logits.shape:
         idx = jnp.full((logits.shape[0], k), -1, I32)
     else:
-        (idx,) = TOPK(logits, ks, ke, k=k, sorted=sorted)
+        (idx,) = call()
     if offsets is not None:
         idx = jnp.where(idx >= 0, idx + offsets[:, None], -1)
     return idx
 
 
-# --- the indexer step: MQA logits and top-k in one call ----------------------------------------
+# --- the indexer step: MQA logits and top-k, composed ---------------------------------------
+#
+# DeepGEMM's logits call (the logits op's record: shapes, plan and run) lands the logits in a
+# scratch result that never becomes an array; jax_dg's top-k kernel reads it in place (a
+# native call composed in XLA, in the op's finish). The selection ignores positions outside
+# [ks, ke) itself, so no -inf fill runs.
 
-def _indexer_rule(q, kv, kv_sf, weights, ks, ke, lens, *, k, sorted, max_seqlen_k, stride_align):
-    (scratch,) = mqa._mqa_logits_rule(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k,
-                                      clean_logits=False, stride_align=stride_align,
-                                      logits_dtype="float32")
-    return [jax.ShapeDtypeStruct((q.shape[0], k), I32), scratch]
-
-
-def _indexer_run(dg, q, kv, kv_sf, weights, ks, ke, lens, idx, scratch, *, k, sorted,
-                 max_seqlen_k, stride_align):
-    mqa._mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, scratch, max_seqlen_k=max_seqlen_k,
-                        clean_logits=False, stride_align=stride_align, logits_dtype="float32")
-    if max_seqlen_k:   # column t is key ks + t, written for t < lens
-        dg.topk_rows(scratch, None, lens, idx, max_seqlen_k, sorted)
-    else:
-        dg.topk_rows(scratch, ks, ke, idx, kv.shape[0], sorted)
+LOGITS = mqa.FP8_MQA_LOGITS
 
 
-def _indexer_view(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
-    idx = outs[0]
-    if max_seqlen_k:
-        idx = jnp.where(idx >= 0, idx + inputs["cu_seqlen_ks"][:, None], -1)
-    return (idx,)
+def _logits_static(*, k, sorted, max_seqlen_k, stride_align, **plan) -> dict:
+    """The logits op's statics for the indexer's scratch: float32, left uncleaned."""
+    return dict(max_seqlen_k=max_seqlen_k, clean_logits=False, stride_align=stride_align,
+                logits_dtype="float32", **plan)
 
 
-def _indexer_reference(q, kv, kv_sf, weights, ks, ke, lens, *, k, sorted, max_seqlen_k, stride_align):
+def _indexer_finish(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
+    (scratch,) = outs
+    ks, ke, n = inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"], inputs["kv"].shape[0]
+    m = inputs["q"].shape[0]
+    if not max_seqlen_k:
+        return (native.topk(scratch, ks, ke, k=k, cols=n, sorted=sorted, rows=m),)
+    # compressed: column t is key ks + t, written for t < lens
+    idx = native.topk(scratch, None, mqa.compressed_lens(ks, ke, n), k=k, cols=max_seqlen_k,
+                      sorted=sorted, rows=m)
+    return (jnp.where(idx >= 0, idx + ks[:, None], -1),)
+
+
+def _indexer_reference(q, kv, kv_sf, weights, ks, ke, *, k, sorted, max_seqlen_k, stride_align):
     logits = ref_mqa.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
     idx = ref.topk_rows(logits, None, None, rows=logits.shape[0], cols=logits.shape[1], k=k,
                         sorted=sorted)
-    return _indexer_view((idx,), {"cu_seqlen_ks": ks}, k=k, sorted=sorted,
-                         max_seqlen_k=max_seqlen_k, stride_align=stride_align)
+    if max_seqlen_k:
+        idx = jnp.where(idx >= 0, idx + ks[:, None], -1)
+    return (idx,)
 
 
 def _indexer_batch(size, batched, inputs, *, k, sorted, max_seqlen_k, stride_align):
@@ -180,22 +176,20 @@ def _indexer_batch(size, batched, inputs, *, k, sorted, max_seqlen_k, stride_ali
         return None
     q, w, ks, ke = (bcast(inputs[n], batched[n], size)
                     for n in ("q", "weights", "cu_seqlen_ks", "cu_seqlen_ke"))
-    lens = None if inputs.get("lens") is None else bcast(inputs["lens"], batched["lens"], size).reshape(-1)
     (idx,) = INDEXER_TOPK(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w), ks.reshape(-1),
-                          ke.reshape(-1), lens, k=k, sorted=sorted, max_seqlen_k=max_seqlen_k,
+                          ke.reshape(-1), k=k, sorted=sorted, max_seqlen_k=max_seqlen_k,
                           stride_align=stride_align)
     return (idx.reshape(size, -1, k),)
 
 
-INDEXER_TOPK = Op(
+INDEXER_TOPK = composed(
+    LOGITS,
     name="indexer_topk",
-    args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke", "lens"),
-    rule=_indexer_rule,
-    run=_indexer_run,
+    base_static=_logits_static,
     reference=_indexer_reference,
-    symbols=("fp8_fp4_mqa_logits", "neg_inf_outside", "topk_rows"),
+    own_kernels=("topk",),
     batch=_indexer_batch,
-    view=_indexer_view,
+    finish=_indexer_finish,
     sharding=mqa.query_sharding(lambda static: "m k"),
 )
 
@@ -218,37 +212,27 @@ def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
     k = _check_k(ck, k)
     static = dict(k=k, sorted=_check_sorted(ck, sorted), max_seqlen_k=width,
                   stride_align=mqa.stride_align("float32"))
-    qv, kvv, kvs, w, ks, ke = arrays
-    lens = None
-    if width and ks.shape == ke.shape:
-        lens = mqa.compressed_lens(ks, ke, kvv.shape[0])
-    _indexer_rule(qv, kvv, kvs, w, ks, ke, lens, **static)
-    if 0 in qv.shape[:1] or kvv.shape[0] == 0:
-        return jnp.full((qv.shape[0], k), -1, I32)
-    (idx,) = INDEXER_TOPK(qv, kvv, kvs, w, ks, ke, lens, **static)
+    call = INDEXER_TOPK.bind(*arrays, **static)
+    if 0 in arrays[0].shape[:1] or arrays[1].shape[0] == 0:
+        return jnp.full((arrays[0].shape[0], k), -1, I32)
+    (idx,) = call()
     return idx
 
 
-# --- the paged decode step ------------------------------------------------------------------
+# --- the paged decode step: paged logits and top-k, composed ----------------------------------
 
-def _paged_rule(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, *, k, sorted, max_model_len, slots):
-    (scratch,) = paged_mqa._logits_rule(q, q_sf, kv_cache, weights, context_lens, block_tables,
-                                        schedule_metadata, indices, max_model_len=max_model_len,
-                                        clean_logits=False, slots=slots)
-    return [jax.ShapeDtypeStruct((q.shape[0] * q.shape[1], k), I32), scratch]
+PAGED_LOGITS = paged_mqa.PAGED_MQA_LOGITS
 
 
-def _paged_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-               indices, idx, scratch, *, k, sorted, max_model_len, slots):
-    paged_mqa._logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables,
-                          schedule_metadata, indices, scratch, max_model_len=max_model_len,
-                          clean_logits=False, slots=slots)
-    dg.topk_rows(scratch, None, context_lens.reshape(-1), idx, max_model_len, sorted)
+def _paged_static(*, k, sorted, max_model_len, slots, **plan) -> dict:
+    """The paged logits op's statics for the decode step's scratch: float32, uncleaned."""
+    return dict(max_model_len=max_model_len, clean_logits=False, slots=slots, **plan)
 
 
-def _paged_view(outs, inputs, **static):
-    return (outs[0],)
+def _paged_finish(outs, inputs, *, k, sorted, max_model_len, slots):
+    lens = inputs["context_lens"].reshape(-1)
+    return (native.topk(outs[0], None, lens, k=k, cols=max_model_len, sorted=sorted,
+                        rows=lens.shape[0]),)
 
 
 def _paged_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -266,22 +250,18 @@ def _paged_batch(size, batched, inputs, *, k, sorted, max_model_len, slots):
                          for n in ("q", "weights", "context_lens", "block_tables"))
     (idx,) = PAGED_INDEXER_TOPK(fold_rows(q), None, inputs["kv_cache"], fold_rows(w), fold_rows(lens),
                                 fold_rows(table), None, None, k=k, sorted=sorted,
-                                max_model_len=max_model_len,
-                                slots=slots)
+                                max_model_len=max_model_len, slots=slots)
     return (idx.reshape(size, -1, k),)
 
 
-PAGED_INDEXER_TOPK = Op(
+PAGED_INDEXER_TOPK = composed(
+    PAGED_LOGITS,
     name="paged_indexer_topk",
-    args=paged_mqa.PAGED_MQA_LOGITS.args,
-    rule=_paged_rule,
-    run=_paged_run,
+    base_static=_paged_static,
     reference=_paged_reference,
-    symbols=("fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata", "neg_inf_outside",
-             "topk_rows"),
-    arg_archs=paged_mqa.PAGED_MQA_LOGITS.arg_archs,
+    own_kernels=("topk",),
     batch=_paged_batch,
-    view=_paged_view,
+    finish=_paged_finish,
     sharding=paged_mqa.request_sharding("bj k"),
 )
 

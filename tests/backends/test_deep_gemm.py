@@ -13,6 +13,7 @@ import jax_dg
 from jax_dg.backends import deep_gemm as dg_backend
 from jax_dg.core import backend as selection
 from jax_dg.core import device
+from tests.conftest import trace_for_gpu
 from jax_dg.core.device import Target
 
 
@@ -85,9 +86,7 @@ def test_the_deep_gemm_backend_imports_nothing_of_jax_dg():
 def test_no_kernel_on_the_target_gpu_fails_while_tracing(monkeypatch, gpu):
     """An op traced for a GPU where DeepGEMM lacks its kernel raises UnsupportedArchError at trace
     time (not an XLA runtime error later); the references still trace there."""
-    family = "sm90" if gpu == "sm90" else gpu
-    monkeypatch.setattr(device, "target", lambda: Target(
-        selection.concrete(selection.requested(), "cuda"), "cuda", family, 132))
+    trace_for_gpu(monkeypatch, gpu)
     monkeypatch.setattr(device, "arch", lambda device=None: gpu)
     a = (jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 256), jnp.float32))  # [K, M], 1x128
     b = (jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 2), jnp.float32))    # [K, N], 128x128

@@ -25,12 +25,10 @@ def test_auto_is_deep_gemm_on_cuda_and_torch_on_cpu():
         selection.concrete("deep_gemm", "cpu")
 
 
-def test_the_torch_namespace_resolves_names_as_deep_gemms_does():
-    # jax_dg's own kernels only when the op declares them (on the GPU an undeclared one is
-    # looked for in DeepGEMM and not found), other DeepGEMM names on demand
+def test_the_torch_namespace_is_the_torch_reference():
+    # jax_dg's own kernels are native FFI handlers now: no namespace offers them
     from jax_dg.backends import torch_ref
-    ns = selection.namespace("torch", "cpu", ("fp8_fp4_mqa_logits", "topk_rows"))
-    assert ns.topk_rows is torch_ref.topk_rows
+    ns = selection.namespace("torch", "cpu", ("fp8_fp4_mqa_logits",))
+    assert ns is torch_ref
     assert ns.get_paged_mqa_logits_metadata is torch_ref.get_paged_mqa_logits_metadata
-    with pytest.raises(AttributeError, match="neg_inf_outside"):
-        ns.neg_inf_outside
+    assert not hasattr(ns, "topk_rows") and not hasattr(ns, "neg_inf_outside")

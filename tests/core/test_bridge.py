@@ -38,7 +38,7 @@ def _echo_reference(*xs, scale):
                  for x in xs)
 
 
-ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), rule=_echo_rule,
+ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), shapes=_echo_rule,
               run=_echo_run, reference=_echo_reference) for n in (1, 3)}
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2,

@@ -38,17 +38,27 @@ def reference_call(rows: int, stride: int, logical: tuple[int, int], value: floa
 def test_lands_in_the_buffer_and_disarms():
     out = torch.zeros(4, 8)
     before = dict(landing.STATS)
-    landing.land(out, 4 * 8 * 4, reference_call(4, 8, (3, 5)))
+    landing.land(out, reference_call(4, 8, (3, 5)))
     assert landing.STATS["landed"] == before["landed"] + 1
     assert torch.all(out[:3, :5] == 1)
     assert torch.isnan(out[3]).all() and torch.isnan(out[:, 5:]).all()   # DeepGEMM's slack
     assert ref_device.arm_landing(None) is None          # released: nothing stays armed
 
 
+def test_what_the_trace_decided_not_to_land_is_copied():
+    out = torch.zeros(4, 8)
+    before = dict(landing.STATS)
+    landing.land(out, reference_call(4, 8, (3, 5), 4.0), lands=False)
+    assert landing.STATS["copied"] == before["copied"] + 1
+    assert torch.all(out[:3, :5] == 4)
+    assert not contracts.lands(2560, 1024, 4, True) or 2560 * 1024 * 4 >= contracts.LANDING_MIN_BYTES
+    assert contracts.lands(1, 8, 4, False) and not contracts.lands(4, 8, 4, True)
+
+
 def test_a_larger_allocation_falls_back_to_a_copy():
     out = torch.zeros(4, 8)
     before = dict(landing.STATS)
-    landing.land(out, 5 * 8 * 4, reference_call(5, 8, (3, 5), 2.0))
+    landing.land(out, reference_call(5, 8, (3, 5), 2.0))
     assert landing.STATS["copied"] == before["copied"] + 1
     assert torch.all(out[:3, :5] == 2)
     assert ref_device.arm_landing(None) is None
@@ -58,7 +68,7 @@ def test_another_layout_is_copied_into_the_declared_one():
     out = torch.zeros(4, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        landing.land(out, 4 * 6 * 4, reference_call(4, 6, (3, 5), 3.0))   # stride 6, not 8
+        landing.land(out, reference_call(4, 6, (3, 5), 3.0))   # stride 6, not 8
     assert torch.all(out[:3, :5] == 3)
     assert any("row stride" in str(w.message) for w in caught) or "layout" in landing._warned
 
@@ -69,7 +79,7 @@ def test_an_error_in_the_call_disarms():
     def fails():
         raise RuntimeError("kernel refused")
     with pytest.raises(RuntimeError, match="kernel refused"):
-        landing.land(out, 128, fails)
+        landing.land(out, fails)
     assert ref_device.arm_landing(None) is None
 
 
@@ -170,7 +180,8 @@ def test_gpu_torch_asks_for_the_predicted_segment_and_releases_it(rows):
     out = torch.from_dlpack(keep)
     before, stats = landing.counts(), dict(landing.STATS)
     for _ in range(3):
-        landing.land(out, rows * stride * 4, lambda: torch.zeros((rows, stride), device="cuda")[:rows - 1, :1000])
+        landing.land(out, lambda: torch.zeros((rows, stride), device="cuda")[:rows - 1, :1000],
+                     contracts.lands(rows, stride, 4, True))
     now = landing.counts()
     assert _bridge.landing_last_request() == contracts.torch_segment_bytes(rows * stride * 4)
     assert now["landed"] - before["landed"] == 3, "the allocation did not land"

@@ -514,10 +514,10 @@ def test_gpu_k_grouped_matches_deep_gemm_from_torch(keys, g, m, n, expected_k, e
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_zero_padding_rows_reference_contract(skip):
-    """The torch stand-in of the contiguous cleaning kernel: rows with id < 0 become 0, except,
+    """The specification of the contiguous cleaning kernel: rows with id < 0 become 0, except,
     with skip, in blocks whose first id is < 0; nothing else is touched."""
     import torch
-    from jax_dg.backends import torch_ref
+    from tests import own_kernels_oracle as torch_ref
     layout = torch.tensor([0, 0, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1], dtype=torch.int32)
     d = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8) + 1
     want = d.clone()
@@ -531,7 +531,7 @@ def test_zero_padding_rows_reference_contract(skip):
 
 def test_zero_masked_tail_reference_contract():
     import torch
-    from jax_dg.backends import torch_ref
+    from tests import own_kernels_oracle as torch_ref
     d = torch.arange(3 * 4 * 8, dtype=torch.float32).reshape(3, 4, 8) + 1
     masked_m = torch.tensor([0, 3, 4], dtype=torch.int32)
     want = d.clone()
@@ -628,29 +628,6 @@ def test_gpu_which_padding_rows_deep_gemm_writes(keys, fp8):
     assert not bool((unwritten & below).any()), "rows below masked_m left unwritten"
     assert bool(unwritten[0].all()), "an empty group's rows were written"
     assert bool(unwritten[2, 256:].all()), "rows past masked_m's last block were written"
-
-
-@pytest.mark.gpu
-def test_gpu_zero_rows_kernels_match_their_reference():
-    import torch
-    from jax_dg.backends import kernels, torch_ref
-    if not kernels.available():
-        pytest.skip(f"jax_dg's kernels were not built: {kernels.import_error()}")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    d = torch.randn((5, 384, 264), generator=gen, device="cuda").to(torch.bfloat16)
-    masked_m = torch.tensor([0, 1, 383, -5, 1000], dtype=torch.int32, device="cuda")
-    ours, want = d.clone(), d.clone()
-    kernels.zero_masked_tail(ours, masked_m)
-    torch_ref.zero_masked_tail(want, masked_m)
-    assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
-    layout = torch.randint(-1, 3, (5 * 384,), generator=gen, device="cuda", dtype=torch.int32)
-    layout[128:256] = -1
-    flat = d.reshape(-1, 264)
-    for skip in (False, True):
-        ours, want = flat.clone(), flat.clone()
-        kernels.zero_padding_rows(ours, layout, 128, skip)
-        torch_ref.zero_padding_rows(want, layout, 128, skip)
-        assert torch.equal(ours.view(torch.int16), want.view(torch.int16)), skip
 
 
 @pytest.mark.gpu

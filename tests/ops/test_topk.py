@@ -14,7 +14,7 @@ import pytest
 
 import jax_dg
 from jax_dg.core.checks import ArgumentError
-from tests.conftest import check_released, digest, run, to_torch
+from tests.conftest import check_released, digest, on_cpu, run, to_torch
 from tests.ops.test_mqa import gpu_inputs, make_inputs, varied_ranges
 from tests.ops.test_paged_mqa import gpu_case, make_case
 
@@ -88,15 +88,13 @@ def test_vmap_folds_into_one_call(keys):
     got = np.asarray(f(x))
     for i in range(3):
         np.testing.assert_array_equal(got[i], np.asarray(jax_dg.topk_indices(x[i], 17)))
-    assert f.lower(x).compile().as_text().count("jax_dg_topk_rows") == 1
+    assert f.lower(x).compile().as_text().count("jax_dg_native_topk") == 1
 
 
 def test_the_ops_bound_on_k_is_the_kernels():
-    from jax_dg.backends import kernels
+    from jax_dg.core import native
     from jax_dg.ops import topk
-    if not kernels.available():
-        pytest.skip(f"jax_dg's CUDA kernels were not built: {kernels.import_error()}")
-    assert kernels.max_k() == topk.MAX_K
+    assert native.max_k() == topk.MAX_K
 
 
 def test_empty_and_bad_inputs():
@@ -178,14 +176,14 @@ def gpu_logits(key, m, n, ties):
 @pytest.mark.parametrize("k", [1, 33, 64, 3000, 4096])
 def test_gpu_kernel_at_other_k(keys, k):
     """The sort's edge cases: k_slots at its 64-slot floor, and 2048 < k <= 4096, where a warp
-    sorts two 64-slot windows in registers. Indices equal the torch reference's, sorted and not."""
-    from jax_dg.backends import kernels
-    assert kernels.available(), f"jax_dg's CUDA kernels were not built: {kernels.import_error()}"
+    sorts two 64-slot windows in registers. Indices equal the C++ CPU twin's, sorted and not."""
+    from jax_dg.core import native
+    assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
     for ties in (False, True):
         x = gpu_logits(keys(), 64, 8192, ties)
         for srt in (True, False):
             call = lambda x: jax_dg.topk_indices(x, k, sorted=srt)   # noqa: E731
-            np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), run("torch", call, x))
+            np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), on_cpu(call, x))
 
 
 @pytest.mark.gpu
@@ -193,8 +191,8 @@ def test_gpu_kernel_at_other_k(keys, k):
 @pytest.mark.parametrize("k", [512, 1024, 2048])
 def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
     import torch
-    from jax_dg.backends import kernels
-    assert kernels.available(), f"jax_dg's CUDA kernels were not built: {kernels.import_error()}"
+    from jax_dg.core import native
+    assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
     m = 256 if n > 32768 else 1024
     for ties in (False, True):
         x = gpu_logits(keys(), m, n, ties)
@@ -204,10 +202,11 @@ def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
             call = lambda x, lo, hi: jax_dg.topk_indices(x, k, ks=lo, ke=hi, sorted=srt)   # noqa: E731
             f = jax.jit(call)
             got = f(x, lo, hi)
-            # indices: the torch reference (a stable sort); values: lax.top_k's. (XLA's GPU
+            # indices: the C++ CPU twin's (and the torch specification's, tested on CPU);
+            # values: lax.top_k's. (XLA's GPU
             # top_k splits long rows and then breaks ties in another order; on CPU, and for
             # rows up to 8k here, its indices are these too.)
-            np.testing.assert_array_equal(np.asarray(got), run("torch", call, x, lo, hi))
+            np.testing.assert_array_equal(np.asarray(got), on_cpu(call, x, lo, hi))
             want = run("xla", call, x, lo, hi)
             if n <= 8192:
                 np.testing.assert_array_equal(np.asarray(got), want)

@@ -14,4 +14,3 @@ from jax_dg.backends.torch_ref.mhc import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.grouped import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.einsum import *  # noqa: F401,F403
 from jax_dg.backends.torch_ref.hyperconnection import *  # noqa: F401,F403
-from jax_dg.backends.torch_ref.topk import *  # noqa: F401,F403

@@ -16,8 +16,7 @@ __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
            "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nn_contiguous",
            "m_grouped_bf16_gemm_nt_masked", "k_grouped_bf16_gemm_tn_contiguous",
            "get_mk_alignment_for_contiguous_layout",
-           "set_mk_alignment_for_contiguous_layout",
-           "zero_masked_tail", "zero_padding_rows"]
+           "set_mk_alignment_for_contiguous_layout"]
 
 # DeepGEMM's BLOCK_M cap for contiguous layouts; the reference computes row by row, so it
 # only records it (the ops set it as they set DeepGEMM's).
@@ -129,20 +128,3 @@ def k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, ks_tensor, c=None, compiled_d
             out[g] += a[off:off + kg].float().T @ b[off:off + kg].float()
         off += kg
     d.copy_(out)
-
-
-# --- jax_dg's own cleaning kernels (kernels/zero_rows.cu), same contracts -------------------------
-
-def zero_masked_tail(d, masked_m) -> None:
-    """d [G, Mmax, ...]: rows masked_m[g] <= r < Mmax of each group := 0."""
-    rows = torch.arange(d.shape[1], device=d.device)[None, :] >= masked_m.to(d.device)[:, None]
-    d.masked_fill_(rows.reshape(*rows.shape, *[1] * (d.ndim - 2)), 0)
-
-
-def zero_padding_rows(d, layout, block: int, skip_padding_blocks: bool) -> None:
-    """d [M, ...]: rows with layout[r] < 0 := 0, except, with skip_padding_blocks, in blocks of
-    `block` rows whose first id is < 0."""
-    pad = layout < 0
-    if skip_padding_blocks:
-        pad &= ~pad[::block].repeat_interleave(block)[:pad.shape[0]]
-    d.masked_fill_(pad.reshape(-1, *[1] * (d.ndim - 1)), 0)

@@ -13,7 +13,7 @@ from jax_dg.backends.torch_ref.device import padded_empty
 from jax_dg.contracts import align
 
 __all__ = ["fp8_fp4_mqa_logits", "get_sparse_mqa_logits_metadata",
-           "fp8_fp4_sparse_mqa_logits", "neg_inf_outside"]
+           "fp8_fp4_sparse_mqa_logits"]
 
 BLOCK_KV = 256
 # Scores held at once ([rows, H, N] float32 elements).
@@ -147,17 +147,3 @@ def fp8_fp4_sparse_mqa_logits(q, kv, weights, metadata, num_max_sparse_blocks, s
                      device=qf.device)[:m, :nmsb * sbk]
     out.copy_(torch.where(valid, logits, torch.nan).to(torch.bfloat16))
     return out
-
-
-# --- jax_dg's own kernel (kernels/neg_inf.cu), same contract -------------------------------------
-
-def neg_inf_outside(logits, lo, hi, rows: int, cols: int, relative: bool = False) -> None:
-    """logits[r, c] := -inf for r < rows, c < cols outside [lo[r], hi[r]) (lo None: 0), or with
-    `relative` outside [0, hi[r] - lo[r]); the valid columns are not touched."""
-    hi = hi[:rows]
-    lo = torch.zeros_like(hi) if lo is None else lo[:rows]
-    if relative:
-        lo, hi = torch.zeros_like(hi), hi - lo
-    col = torch.arange(cols, device=logits.device)[None, :]
-    invalid = (col < lo.to(logits.device).long()[:, None]) | (col >= hi.to(logits.device).long()[:, None])
-    logits[:rows, :cols].masked_fill_(invalid, float("-inf"))

@@ -1,0 +1,633 @@
+// jax_dg's own kernels (kernels/*.cu) as typed XLA FFI handlers: no Python, no GIL, no torch.
+//
+// Every kernel has two handlers of one contract:
+//   CUDA: launches the kernel's extern "C" launcher on XLA's stream. Declared command-buffer
+//         compatible (the launches allocate nothing and are the same on every call), so XLA may
+//         capture them into a CUDA graph and replay them without calling the handler again.
+//   cpu:  a plain C++ implementation with bitwise the same results (what the CPU suite runs).
+// Both check the buffers and attributes first, the same way, so a program that fails on one
+// platform fails on the other with the same message; the CUDA kernels' own limits (16-byte rows,
+// k <= 4096) are part of that shared contract.
+//
+// Optional int32 inputs (lo, hi) arrive as zero-size arrays with a `has_*` attribute: the
+// custom call keeps a fixed signature and no fill kernel is added for an absent one.
+//
+// In-place kernels (neg_inf_outside, zero_*) are called with input 0 aliased to output 0: they
+// write only some positions of the result buffer and leave the rest as the input had them.
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef JAX_DG_CUDA
+#include <cuda_runtime.h>
+
+extern "C" int JaxDgTopkMaxK();
+extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
+                             int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+extern "C" int JaxDgNegInfOutside(void* logits, int64_t stride, int elem_bytes, int rows, int cols,
+                                  const int* lo, const int* hi, int relative, cudaStream_t stream);
+extern "C" int JaxDgZeroMaskedTail(void* d, int64_t row_bytes, int groups, int max_m,
+                                   const int* masked_m, cudaStream_t stream);
+extern "C" int JaxDgZeroPaddingRows(void* d, int64_t row_bytes, int rows, int block,
+                                    const int* layout, int skip_padding_blocks,
+                                    cudaStream_t stream);
+#endif
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxK = 4096;   // kernels/topk.cu's limit (JaxDgTopkMaxK), the CPU's too
+
+// Handler entries on every platform: a replayed CUDA graph adds none (tests rely on it).
+std::atomic<uint64_t> g_calls{0};
+
+void Count() { g_calls.fetch_add(1, std::memory_order_relaxed); }
+
+ffi::Error Invalid(const char* kernel, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("jax_dg native ") + kernel + ": " + what);
+}
+
+bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
+
+std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Element types stored one or more whole bytes per element (the zero kernels write bytes).
+bool WholeBytes(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::INVALID:
+    case ffi::DataType::TOKEN:
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return false;
+    default:
+      return ffi::ByteWidth(t) > 0;
+  }
+}
+
+// Same element type and shape: the aliased result of an in-place kernel.
+bool SameLayout(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  return a.element_type() == b.element_type() && da.size() == db.size() &&
+         std::equal(da.begin(), da.end(), db.begin());
+}
+
+// An in-place kernel's result is its input (aliased); if XLA ever hands two buffers, the
+// result starts as a copy of the input.
+void StartFromInputCpu(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
+  if (out.untyped_data() != in.untyped_data() && in.size_bytes() > 0) {
+    std::memcpy(out.untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+}
+
+// Runs a CPU body; an exception (bad_alloc) becomes an FFI error, never an abort.
+template <typename F>
+ffi::Error Guarded(const char* kernel, F&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("jax_dg native ") + kernel + ": " + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// ================================ topk ========================================================
+// out[r] (int32 [rows, k]) = the columns of row r's k largest logits among lo[r] <= c <
+// min(hi[r], cols) with logits > -inf (NaN never), value descending then column ascending
+// (+0.0 above -0.0), or (unsorted) the same set in column order; -1 past the candidates.
+// logits float32 [R, S]: rows <= R, cols <= S (S is the row stride).
+
+struct Topk {
+  const float* logits;
+  int64_t stride;
+  const int32_t* lo;   // nullptr: absent
+  const int32_t* hi;
+  int rows, cols, k;
+  bool sorted;
+  int32_t* out;
+};
+
+ffi::Error PlanTopk(ffi::Buffer<ffi::F32, 2> logits, ffi::Buffer<ffi::S32, 1> lo,
+                    ffi::Buffer<ffi::S32, 1> hi, ffi::Buffer<ffi::S32, 2>& out, int64_t cols,
+                    bool sorted, bool has_lo, bool has_hi, Topk* p) {
+  const char* name = "topk";
+  auto ld = logits.dimensions(), od = out.dimensions();
+  const int64_t rows = od[0], k = od[1];
+  if (k > kMaxK) return Invalid(name, "k = " + std::to_string(k) + " > " + std::to_string(kMaxK));
+  if (!FitsInt(rows) || rows > ld[0]) {
+    return Invalid(name, "output rows " + std::to_string(rows) + " exceed logits " + Dims(ld));
+  }
+  if (!FitsInt(cols) || cols > ld[1]) {
+    return Invalid(name, "cols = " + std::to_string(cols) + " outside [0, " +
+                             std::to_string(ld[1]) + "] (logits " + Dims(ld) + ")");
+  }
+  if (has_lo && static_cast<int64_t>(lo.element_count()) < rows) {
+    return Invalid(name, "lo has " + std::to_string(lo.element_count()) + " elements, rows = " +
+                             std::to_string(rows));
+  }
+  if (has_hi && static_cast<int64_t>(hi.element_count()) < rows) {
+    return Invalid(name, "hi has " + std::to_string(hi.element_count()) + " elements, rows = " +
+                             std::to_string(rows));
+  }
+  *p = Topk{logits.typed_data(), ld[1], has_lo ? lo.typed_data() : nullptr,
+            has_hi ? hi.typed_data() : nullptr, static_cast<int>(rows), static_cast<int>(cols),
+            static_cast<int>(k), sorted, out.typed_data()};
+  return ffi::Error::Success();
+}
+
+// kernels/topk.cu's OrderKey: an unsigned key in the float's total order (+0.0 above -0.0).
+uint32_t OrderKey(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+void TopkCpu(const Topk& p) {
+  if (p.k == 0) return;
+  // (key << 32 | ~column): one descending order is value descending, column ascending, and
+  // every entry is distinct, so the top k is one set whatever the selection algorithm.
+  std::vector<uint64_t> cand;
+  std::vector<int32_t> cols;
+  for (int r = 0; r < p.rows; ++r) {
+    const float* x = p.logits + static_cast<int64_t>(r) * p.stride;
+    const int begin = p.lo ? std::max(p.lo[r], 0) : 0;
+    int end = p.hi ? std::min(p.hi[r], p.cols) : p.cols;
+    if (end < begin) end = begin;
+    cand.clear();
+    for (int c = begin; c < end; ++c) {
+      if (x[c] > -INFINITY) {
+        cand.push_back(static_cast<uint64_t>(OrderKey(x[c])) << 32 | static_cast<uint32_t>(~c));
+      }
+    }
+    const size_t take = std::min(cand.size(), static_cast<size_t>(p.k));
+    if (take < cand.size()) {
+      std::nth_element(cand.begin(), cand.begin() + take, cand.end(), std::greater<uint64_t>());
+    }
+    auto column = [](uint64_t e) { return static_cast<int32_t>(~static_cast<uint32_t>(e)); };
+    int32_t* o = p.out + static_cast<int64_t>(r) * p.k;
+    if (p.sorted) {
+      std::sort(cand.begin(), cand.begin() + take, std::greater<uint64_t>());
+      for (size_t t = 0; t < take; ++t) o[t] = column(cand[t]);
+    } else {
+      cols.resize(take);
+      for (size_t t = 0; t < take; ++t) cols[t] = column(cand[t]);
+      std::sort(cols.begin(), cols.end());
+      std::copy(cols.begin(), cols.end(), o);
+    }
+    std::fill(o + take, o + p.k, -1);
+  }
+}
+
+ffi::Error TopkCpuHandler(ffi::Buffer<ffi::F32, 2> logits, ffi::Buffer<ffi::S32, 1> lo,
+                          ffi::Buffer<ffi::S32, 1> hi, ffi::ResultBuffer<ffi::S32, 2> out,
+                          int64_t cols, bool sorted, bool has_lo, bool has_hi) {
+  Count();
+  Topk p;
+  ffi::Error e = PlanTopk(logits, lo, hi, *out, cols, sorted, has_lo, has_hi, &p);
+  if (e.failure()) return e;
+  return Guarded("topk", [&] { TopkCpu(p); });
+}
+
+// ================================ neg_inf_outside =============================================
+// logits[r, c] := -inf for r < rows, c < cols outside [lo[r], hi[r]) (lo absent: 0), or with
+// `relative` outside [0, hi[r] - lo[r]); both ends clamped to [0, cols]. Nothing else written.
+// logits float32 or bfloat16 [R, S].
+
+struct NegInf {
+  void* logits;   // the result buffer (aliases the input)
+  int64_t stride;
+  int elem_bytes;
+  int rows, cols;
+  const int32_t* lo;   // nullptr: absent
+  const int32_t* hi;
+  bool relative;
+};
+
+ffi::Error PlanNegInf(ffi::AnyBuffer in, ffi::Buffer<ffi::S32, 1> lo, ffi::Buffer<ffi::S32, 1> hi,
+                      ffi::AnyBuffer& out, int64_t rows, int64_t cols, bool relative, bool has_lo,
+                      NegInf* p) {
+  const char* name = "neg_inf_outside";
+  auto dims = in.dimensions();
+  const ffi::DataType t = in.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) {
+    return Invalid(name, "logits must be float32 or bfloat16");
+  }
+  if (dims.size() != 2) return Invalid(name, "logits must be [R, S], got " + Dims(dims));
+  if (!SameLayout(in, out)) {
+    return Invalid(name, "the result must alias logits (same type and shape)");
+  }
+  // rows < 0: as many rows as hi has (a symbolic row count is known only here)
+  if (rows < 0) rows = static_cast<int64_t>(hi.element_count());
+  if (!FitsInt(rows) || rows > dims[0]) {
+    return Invalid(name, "rows = " + std::to_string(rows) + " outside [0, " +
+                             std::to_string(dims[0]) + "]");
+  }
+  if (!FitsInt(cols) || cols > dims[1]) {
+    return Invalid(name, "cols = " + std::to_string(cols) + " outside [0, " +
+                             std::to_string(dims[1]) + "]");
+  }
+  if (static_cast<int64_t>(hi.element_count()) < rows) {
+    return Invalid(name, "hi has " + std::to_string(hi.element_count()) + " elements, rows = " +
+                             std::to_string(rows));
+  }
+  if (has_lo && static_cast<int64_t>(lo.element_count()) < rows) {
+    return Invalid(name, "lo has " + std::to_string(lo.element_count()) + " elements, rows = " +
+                             std::to_string(rows));
+  }
+  *p = NegInf{out.untyped_data(), dims[1], static_cast<int>(ffi::ByteWidth(t)),
+              static_cast<int>(rows), static_cast<int>(cols), has_lo ? lo.typed_data() : nullptr,
+              hi.typed_data(), relative};
+  return ffi::Error::Success();
+}
+
+template <typename Bits>
+void NegInfRows(const NegInf& p, Bits neg_inf) {
+  for (int r = 0; r < p.rows; ++r) {
+    int a = p.lo ? p.lo[r] : 0;
+    int b = p.hi[r];
+    if (p.relative) {   // int32 wrap-around, as the kernel's (and torch's) subtraction
+      b = static_cast<int32_t>(static_cast<uint32_t>(b) - static_cast<uint32_t>(a));
+      a = 0;
+    }
+    a = std::min(std::max(a, 0), p.cols);
+    b = std::min(std::max(b, a), p.cols);
+    Bits* row = static_cast<Bits*>(p.logits) + static_cast<int64_t>(r) * p.stride;
+    std::fill(row, row + a, neg_inf);
+    std::fill(row + b, row + p.cols, neg_inf);
+  }
+}
+
+ffi::Error NegInfCpuHandler(ffi::AnyBuffer logits, ffi::Buffer<ffi::S32, 1> lo,
+                            ffi::Buffer<ffi::S32, 1> hi, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t rows, int64_t cols, bool relative, bool has_lo) {
+  Count();
+  NegInf p;
+  ffi::Error e = PlanNegInf(logits, lo, hi, *out, rows, cols, relative, has_lo, &p);
+  if (e.failure()) return e;
+  StartFromInputCpu(logits, *out);
+  if (p.elem_bytes == 4) {
+    NegInfRows<uint32_t>(p, 0xff800000u);
+  } else {
+    NegInfRows<uint16_t>(p, static_cast<uint16_t>(0xff80u));
+  }
+  return ffi::Error::Success();
+}
+
+// ================================ zero_masked_tail ============================================
+// d [G, Mmax, ...]: rows masked_m[g] <= m < Mmax of group g := 0 (masked_m clamped to [0, Mmax]).
+
+struct ZeroRows {   // both zero kernels
+  void* d;          // the result buffer (aliases the input)
+  int64_t row_bytes;
+  int groups, max_m;    // masked: G, Mmax
+  int rows, block;      // padding: M, block
+  const int32_t* ids;   // masked_m [G] or layout [M]
+  bool skip;
+};
+
+// Bytes per row of d viewed as [rows_dims..., rest]; the kernels store 16 bytes at a time.
+ffi::Error RowBytes(const char* name, const ffi::AnyBuffer& d, size_t lead, int64_t* row_bytes) {
+  auto dims = d.dimensions();
+  if (!WholeBytes(d.element_type())) return Invalid(name, "d's element type is not whole bytes");
+  if (dims.size() < lead) return Invalid(name, "d has rank " + std::to_string(dims.size()));
+  int64_t bytes = static_cast<int64_t>(ffi::ByteWidth(d.element_type()));
+  for (size_t i = lead; i < dims.size(); ++i) bytes *= dims[i];
+  if (bytes % 16 != 0) {
+    return Invalid(name, "rows of d " + Dims(dims) + " are " + std::to_string(bytes) +
+                             " bytes, not a multiple of 16");
+  }
+  *row_bytes = bytes;
+  return ffi::Error::Success();
+}
+
+ffi::Error PlanMaskedTail(ffi::AnyBuffer d, ffi::Buffer<ffi::S32, 1> masked_m, ffi::AnyBuffer& out,
+                          ZeroRows* p) {
+  const char* name = "zero_masked_tail";
+  int64_t row_bytes = 0;
+  if (ffi::Error e = RowBytes(name, d, 2, &row_bytes); e.failure()) return e;
+  if (!SameLayout(d, out)) return Invalid(name, "the result must alias d (same type and shape)");
+  auto dims = d.dimensions();
+  if (!FitsInt(dims[0]) || !FitsInt(dims[1])) {
+    return Invalid(name, "d " + Dims(dims) + " too large");
+  }
+  if (static_cast<int64_t>(masked_m.element_count()) < dims[0]) {
+    return Invalid(name, "masked_m has " + std::to_string(masked_m.element_count()) +
+                             " elements, groups = " + std::to_string(dims[0]));
+  }
+  *p = ZeroRows{out.untyped_data(), row_bytes, static_cast<int>(dims[0]),
+                static_cast<int>(dims[1]), 0, 0, masked_m.typed_data(), false};
+  return ffi::Error::Success();
+}
+
+void MaskedTailCpu(const ZeroRows& p) {
+  for (int g = 0; g < p.groups; ++g) {
+    const int first = std::min(std::max(p.ids[g], 0), p.max_m);
+    const int64_t row = static_cast<int64_t>(g) * p.max_m + first;
+    std::memset(static_cast<char*>(p.d) + row * p.row_bytes, 0,
+                static_cast<size_t>(p.max_m - first) * p.row_bytes);
+  }
+}
+
+ffi::Error MaskedTailCpuHandler(ffi::AnyBuffer d, ffi::Buffer<ffi::S32, 1> masked_m,
+                                ffi::Result<ffi::AnyBuffer> out) {
+  Count();
+  ZeroRows p;
+  if (ffi::Error e = PlanMaskedTail(d, masked_m, *out, &p); e.failure()) return e;
+  StartFromInputCpu(d, *out);
+  MaskedTailCpu(p);
+  return ffi::Error::Success();
+}
+
+// ================================ zero_padding_rows ===========================================
+// d [M, ...]: rows with layout[r] < 0 := 0, except, with skip_padding_blocks, in blocks of
+// `block` rows whose first row's id is < 0 (left as they are).
+
+ffi::Error PlanPaddingRows(ffi::AnyBuffer d, ffi::Buffer<ffi::S32, 1> layout, ffi::AnyBuffer& out,
+                           int64_t block, bool skip, ZeroRows* p) {
+  const char* name = "zero_padding_rows";
+  int64_t row_bytes = 0;
+  if (ffi::Error e = RowBytes(name, d, 1, &row_bytes); e.failure()) return e;
+  if (!SameLayout(d, out)) return Invalid(name, "the result must alias d (same type and shape)");
+  auto dims = d.dimensions();
+  if (!FitsInt(dims[0])) return Invalid(name, "d " + Dims(dims) + " too large");
+  if (static_cast<int64_t>(layout.element_count()) < dims[0]) {
+    return Invalid(name, "layout has " + std::to_string(layout.element_count()) +
+                             " elements, rows = " + std::to_string(dims[0]));
+  }
+  if (skip && (block < 1 || !FitsInt(block))) {
+    return Invalid(name, "block = " + std::to_string(block) + " must be >= 1");
+  }
+  *p = ZeroRows{out.untyped_data(), row_bytes, 0, 0, static_cast<int>(dims[0]),
+                static_cast<int>(skip ? block : 1), layout.typed_data(), skip};
+  return ffi::Error::Success();
+}
+
+void PaddingRowsCpu(const ZeroRows& p) {
+  for (int r = 0; r < p.rows; ++r) {
+    bool zero = p.ids[r] < 0;
+    if (zero && p.skip) zero = p.ids[r - r % p.block] >= 0;
+    if (zero) {
+      std::memset(static_cast<char*>(p.d) + static_cast<int64_t>(r) * p.row_bytes, 0, p.row_bytes);
+    }
+  }
+}
+
+ffi::Error PaddingRowsCpuHandler(ffi::AnyBuffer d, ffi::Buffer<ffi::S32, 1> layout,
+                                 ffi::Result<ffi::AnyBuffer> out, int64_t block, bool skip) {
+  Count();
+  ZeroRows p;
+  if (ffi::Error e = PlanPaddingRows(d, layout, *out, block, skip, &p); e.failure()) return e;
+  StartFromInputCpu(d, *out);
+  PaddingRowsCpu(p);
+  return ffi::Error::Success();
+}
+
+// ================================ CUDA ========================================================
+// Only host work before the launch (no device reads, no allocation, no synchronization), so a
+// call can be captured into a CUDA graph and replayed.
+#ifdef JAX_DG_CUDA
+
+ffi::Error CudaStatus(const char* kernel, int err) {
+  if (err == 0) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_dg native ") + kernel + ": CUDA error " +
+                              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// The launchers report cudaGetLastError() after their launch: clear an error left on this
+// thread by someone else's earlier launch so that it is not reported as ours.
+void ClearStaleError() { (void)cudaGetLastError(); }
+
+// An in-place kernel's result is its input (aliased); if XLA ever hands two buffers, the result
+// starts as a copy of the input, on the stream (a device copy: capture-safe).
+ffi::Error StartFromInputCuda(const char* kernel, const ffi::AnyBuffer& in,
+                              const ffi::AnyBuffer& out, cudaStream_t stream) {
+  if (out.untyped_data() == in.untyped_data() || in.size_bytes() == 0) {
+    return ffi::Error::Success();
+  }
+  return CudaStatus(kernel, cudaMemcpyAsync(out.untyped_data(), in.untyped_data(),
+                                            in.size_bytes(), cudaMemcpyDeviceToDevice, stream));
+}
+
+// The zero kernels store 16 bytes at a time (an empty buffer may have any address).
+bool Aligned16(const ffi::AnyBuffer& d) {
+  return d.size_bytes() == 0 || reinterpret_cast<uintptr_t>(d.untyped_data()) % 16 == 0;
+}
+
+ffi::Error TopkCudaHandler(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> logits,
+                           ffi::Buffer<ffi::S32, 1> lo, ffi::Buffer<ffi::S32, 1> hi,
+                           ffi::ResultBuffer<ffi::S32, 2> out, int64_t cols, bool sorted,
+                           bool has_lo, bool has_hi) {
+  Count();
+  Topk p;
+  ffi::Error e = PlanTopk(logits, lo, hi, *out, cols, sorted, has_lo, has_hi, &p);
+  if (e.failure()) return e;
+  ClearStaleError();
+  return CudaStatus("topk", JaxDgTopkRows(p.logits, p.stride, p.lo, p.hi, p.rows, p.cols, p.k,
+                                          p.sorted ? 1 : 0, p.out, stream));
+}
+
+ffi::Error NegInfCudaHandler(cudaStream_t stream, ffi::AnyBuffer logits,
+                             ffi::Buffer<ffi::S32, 1> lo, ffi::Buffer<ffi::S32, 1> hi,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t rows, int64_t cols,
+                             bool relative, bool has_lo) {
+  const char* name = "neg_inf_outside";
+  Count();
+  NegInf p;
+  ffi::Error e = PlanNegInf(logits, lo, hi, *out, rows, cols, relative, has_lo, &p);
+  if (e.failure()) return e;
+  ClearStaleError();
+  e = StartFromInputCuda(name, logits, *out, stream);
+  if (e.failure()) return e;
+  return CudaStatus(name, JaxDgNegInfOutside(p.logits, p.stride, p.elem_bytes, p.rows, p.cols,
+                                             p.lo, p.hi, p.relative ? 1 : 0, stream));
+}
+
+ffi::Error MaskedTailCudaHandler(cudaStream_t stream, ffi::AnyBuffer d,
+                                 ffi::Buffer<ffi::S32, 1> masked_m,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  const char* name = "zero_masked_tail";
+  Count();
+  ZeroRows p;
+  ffi::Error e = PlanMaskedTail(d, masked_m, *out, &p);
+  if (e.failure()) return e;
+  if (!Aligned16(*out)) return Invalid(name, "d is not 16-byte aligned");
+  ClearStaleError();
+  e = StartFromInputCuda(name, d, *out, stream);
+  if (e.failure()) return e;
+  // The kernel puts groups on gridDim.y (at most 65535): larger G launches in slices.
+  constexpr int kMaxGroups = 65535;
+  for (int g = 0; g < p.groups; g += kMaxGroups) {
+    const int n = std::min(kMaxGroups, p.groups - g);
+    char* d_g = static_cast<char*>(p.d) + static_cast<int64_t>(g) * p.max_m * p.row_bytes;
+    e = CudaStatus(name, JaxDgZeroMaskedTail(d_g, p.row_bytes, n, p.max_m, p.ids + g, stream));
+    if (e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PaddingRowsCudaHandler(cudaStream_t stream, ffi::AnyBuffer d,
+                                  ffi::Buffer<ffi::S32, 1> layout, ffi::Result<ffi::AnyBuffer> out,
+                                  int64_t block, bool skip) {
+  const char* name = "zero_padding_rows";
+  Count();
+  ZeroRows p;
+  ffi::Error e = PlanPaddingRows(d, layout, *out, block, skip, &p);
+  if (e.failure()) return e;
+  if (!Aligned16(*out)) return Invalid(name, "d is not 16-byte aligned");
+  ClearStaleError();
+  e = StartFromInputCuda(name, d, *out, stream);
+  if (e.failure()) return e;
+  return CudaStatus(name, JaxDgZeroPaddingRows(p.d, p.row_bytes, p.rows, p.block, p.ids,
+                                               p.skip ? 1 : 0, stream));
+}
+
+#endif  // JAX_DG_CUDA
+
+// One binding per kernel; the CUDA one adds XLA's stream in front (B is dependent, hence
+// `.template`).
+template <typename B>
+auto TopkBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32, 2>>()   // logits [R, S]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // lo [rows] or [0]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // hi [rows] or [0]
+      .template Ret<ffi::Buffer<ffi::S32, 2>>()   // out [rows, k]
+      .template Attr<int64_t>("cols")
+      .template Attr<bool>("sorted")
+      .template Attr<bool>("has_lo")
+      .template Attr<bool>("has_hi");
+}
+
+template <typename B>
+auto NegInfBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()             // logits [R, S], float32 or bfloat16
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // lo [rows] or [0]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // hi [rows]
+      .template Ret<ffi::AnyBuffer>()             // logits again (aliased)
+      .template Attr<int64_t>("rows")
+      .template Attr<int64_t>("cols")
+      .template Attr<bool>("relative")
+      .template Attr<bool>("has_lo");
+}
+
+template <typename B>
+auto MaskedTailBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()             // d [G, Mmax, ...]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // masked_m [G]
+      .template Ret<ffi::AnyBuffer>();            // d again (aliased)
+}
+
+template <typename B>
+auto PaddingRowsBinding(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()             // d [M, ...]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // layout [M]
+      .template Ret<ffi::AnyBuffer>()             // d again (aliased)
+      .template Attr<int64_t>("block")
+      .template Attr<bool>("skip_padding_blocks");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgNativeTopkCpu, TopkCpuHandler, TopkBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgNativeNegInfCpu, NegInfCpuHandler,
+                              NegInfBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgNativeMaskedTailCpu, MaskedTailCpuHandler,
+                              MaskedTailBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgNativePaddingRowsCpu, PaddingRowsCpuHandler,
+                              PaddingRowsBinding(ffi::Ffi::Bind()));
+
+#ifdef JAX_DG_CUDA
+// Command-buffer compatible: the CUDA plugin refuses traits at registration, so they are the
+// symbol's own.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxDgNativeTopkCuda, TopkCudaHandler,
+    TopkBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxDgNativeNegInfCuda, NegInfCudaHandler,
+    NegInfBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxDgNativeMaskedTailCuda, MaskedTailCudaHandler,
+    MaskedTailBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxDgNativePaddingRowsCuda, PaddingRowsCudaHandler,
+    PaddingRowsBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+#endif
+
+namespace {
+
+nb::dict Platforms(XLA_FFI_Handler* cpu, XLA_FFI_Handler* cuda) {
+  nb::dict d;
+  d["cpu"] = nb::capsule(reinterpret_cast<void*>(cpu));
+  if (cuda != nullptr) d["CUDA"] = nb::capsule(reinterpret_cast<void*>(cuda));
+  return d;
+}
+
+#ifdef JAX_DG_CUDA
+constexpr bool kCudaBuilt = true;
+#define JAX_DG_CUDA_HANDLER(name) name
+#else
+constexpr bool kCudaBuilt = false;
+#define JAX_DG_CUDA_HANDLER(name) nullptr
+#endif
+
+// target name -> {platform: handler capsule}
+nb::dict Handlers() {
+  nb::dict d;
+  d["jax_dg_native_topk"] = Platforms(JaxDgNativeTopkCpu, JAX_DG_CUDA_HANDLER(JaxDgNativeTopkCuda));
+  d["jax_dg_native_neg_inf_outside"] =
+      Platforms(JaxDgNativeNegInfCpu, JAX_DG_CUDA_HANDLER(JaxDgNativeNegInfCuda));
+  d["jax_dg_native_zero_masked_tail"] =
+      Platforms(JaxDgNativeMaskedTailCpu, JAX_DG_CUDA_HANDLER(JaxDgNativeMaskedTailCuda));
+  d["jax_dg_native_zero_padding_rows"] =
+      Platforms(JaxDgNativePaddingRowsCpu, JAX_DG_CUDA_HANDLER(JaxDgNativePaddingRowsCuda));
+  return d;
+}
+#undef JAX_DG_CUDA_HANDLER
+
+int MaxK() {
+#ifdef JAX_DG_CUDA
+  return JaxDgTopkMaxK();
+#else
+  return kMaxK;
+#endif
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "jax_dg's own kernels as native XLA FFI handlers (see ffi/native.cc)";
+  m.def("handlers", &Handlers);
+  m.def("cuda_built", []() { return kCudaBuilt; });
+  m.def("max_k", &MaxK);
+  m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
+}

@@ -1,0 +1,91 @@
+"""Which implementation runs an op here, and why: the one resolver.
+
+The op call (jax_dg.core.op), `python -m jax_dg info` and the warm-up (jax_dg.tools.warmup)
+all ask `resolve`, so what a call does and what jax_dg says it does cannot drift apart.
+
+    runs        what         at run time
+    "deep_gemm" DeepGEMM's kernel through the bridge (DLPack views, XLA's stream)
+    "torch"     the torch reference of DeepGEMM's kernel through the same bridge
+    "native"    jax_dg's own kernel: a typed XLA FFI handler (C++; CUDA or its CPU twin)
+    "xla"       no custom call: the pure-JAX reference is traced in place of the op
+    "raises"    nothing runs: `error` is raised while tracing
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jax_dg.backends import deep_gemm
+from jax_dg.core import backend as selection
+from jax_dg.core import native
+from jax_dg.core.checks import UnsupportedArchError
+from jax_dg.core.device import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    runs: str
+    why: str
+    graph: bool = False        # lowered to the command-buffer-compatible target
+    error: Exception | None = None
+
+    def check(self) -> "Dispatch":
+        """Raises the resolution's error, if any (at trace time)."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+def needs(op, given: Sequence[str] = ()) -> frozenset[str]:
+    """The architectures with a DeepGEMM kernel for a call that passes `given` arguments."""
+    archs = op.archs
+    for arg in given:
+        archs = archs & op.arg_archs.get(arg, archs)
+    return archs
+
+
+def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -> Dispatch:
+    """How a call of `op` with the `given` arguments, traced for `t`, runs (see the module doc).
+    `requested` is the backend asked for (default: the active one)."""
+    requested = selection.requested() if requested is None else requested
+    if requested == "xla":
+        return Dispatch("xla", f"pure-JAX reference ({selection.ENV}=xla)")
+    if t.platform == "cuda" and op.own_kernels and not native.cuda_built():
+        return Dispatch("raises", "jax_dg's CUDA kernels were not built", error=RuntimeError(
+            f"jax_dg: `{op.name}` runs jax_dg's own CUDA kernel(s) {', '.join(op.own_kernels)}, "
+            "which were not built (no CUDA toolkit when jax_dg was installed): reinstall jax_dg "
+            f"where nvcc is found, or trace with {selection.ENV}=xla."))
+    if op.native is not None:
+        where = "CUDA" if t.platform == "cuda" else f"its C++ twin on {t.platform}"
+        return Dispatch("native", f"jax_dg's own kernel {', '.join(op.own_kernels)} ({where})",
+                        graph=t.platform == "cuda")
+    if t.backend == "torch":
+        why = ("torch reference through the bridge" +
+               (f" ({selection.ENV}=torch)" if requested == "torch" else f" ({t.platform}: no CUDA device)"))
+        mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
+        return Dispatch("torch", why + mine, graph="torch" in op.graph_safe)
+    if t.platform != "cuda":
+        return Dispatch("raises", "DeepGEMM needs a CUDA device", error=RuntimeError(
+            f"{selection.ENV}=deep_gemm needs a CUDA device; this call runs on {t.platform}. "
+            f"Use {selection.ENV}=auto (torch reference on CPU)."))
+    archs = needs(op, given)
+    if t.arch not in archs:
+        with_args = [a for a in given if a in op.arg_archs]
+        form = f" with `{'`, `'.join(with_args)}`" if with_args else ""
+        return Dispatch("raises", f"no DeepGEMM kernel on {t.arch} (needs {', '.join(sorted(archs))})",
+                        error=UnsupportedArchError(
+            f"jax_dg: `{op.name}`{form} has a DeepGEMM kernel only on {', '.join(sorted(archs))}; "
+            f"this GPU is {t.arch}. Its reference runs anywhere: {selection.ENV}=torch (through "
+            f"the bridge) or {selection.ENV}=xla (pure JAX)."))
+    if deep_gemm.module() is None:
+        return Dispatch("raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}",
+                        error=deep_gemm.missing_error(op.symbols[0] if op.symbols else op.name))
+    missing = [s for s in op.symbols if deep_gemm.lookup(s) is None]
+    if missing:
+        return Dispatch("raises", f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
+                        f"{selection.ENV}=torch or xla runs the reference",
+                        error=deep_gemm.missing_error(missing[0]))
+    names = ", ".join(getattr(deep_gemm.lookup(s), "__name__", s) for s in op.symbols)
+    mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
+    return Dispatch("deep_gemm", f"DeepGEMM: {names}{mine}", graph=t.arch in op.graph_safe)

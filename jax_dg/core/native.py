@@ -1,0 +1,105 @@
+"""jax_dg's own kernels (kernels/*.cu) as native, typed XLA FFI custom calls (ffi/native.cc).
+
+No Python, GIL or torch runs at execution time: the CUDA handlers launch the kernels on XLA's
+stream (and are command-buffer compatible, so XLA may capture and replay them), the CPU
+handlers are C++ implementations of the same contract, bitwise equal.
+
+The functions here are only the custom calls: they check nothing (their callers do; the
+handlers refuse what would read or write out of bounds, as an XLA error). Optional int32
+arrays (lo/hi) that are absent travel as zero-size arrays with a `has_*` attribute. The
+in-place kernels alias their first input to their output: XLA writes into that buffer when the
+input is a temporary (and copies it first when it must keep the input, e.g. a parameter not
+donated).
+"""
+
+from __future__ import annotations
+
+import jax  # keep ahead of the extension: loading it first crashed jax's import once
+import jax.numpy as jnp
+
+from jax_dg.core import _native
+
+TARGETS: dict[str, str] = {
+    "topk": "jax_dg_native_topk",
+    "neg_inf_outside": "jax_dg_native_neg_inf_outside",
+    "zero_masked_tail": "jax_dg_native_zero_masked_tail",
+    "zero_padding_rows": "jax_dg_native_zero_padding_rows",
+}
+
+
+def _register() -> None:
+    handlers = _native.handlers()
+    assert set(handlers) == set(TARGETS.values()), sorted(handlers)
+    for target in TARGETS.values():
+        for platform, capsule in handlers[target].items():
+            jax.ffi.register_ffi_target(target, capsule, platform=platform)
+
+
+_register()
+
+
+def cuda_built() -> bool:
+    """Whether the CUDA handlers were built (a CUDA toolkit at install)."""
+    return _native.cuda_built()
+
+
+def max_k() -> int:
+    """The top-k kernel's largest k (on every platform, CUDA built or not)."""
+    return _native.max_k()
+
+
+def call_count() -> int:
+    """Native handler entries so far, every platform: a replayed CUDA graph adds none."""
+    return _native.call_count()
+
+
+def _optional(x):
+    """(array, present): an absent int32 array as a zero-size one (no fill kernel)."""
+    return (jnp.zeros((0,), jnp.int32), False) if x is None else (x, True)
+
+
+def topk(logits, lo, hi, *, k: int, cols: int, sorted: bool, rows: int | None = None) -> jax.Array:
+    """int32 [rows, k]: row r's columns of its k largest logits among lo[r] <= c <
+    min(hi[r], cols) (lo/hi: int32 [rows] or None; clamped to [0, cols]) with logits > -inf
+    (NaN never): value descending, then column ascending (+0.0 above -0.0); not `sorted`, the
+    same set in column order; -1 past the candidates. logits: float32 [R, S], cols <= S (S is
+    the row stride), rows <= R (default R). k <= max_k()."""
+    rows = logits.shape[0] if rows is None else rows   # may be symbolic (jax.export)
+    lo, has_lo = _optional(lo)
+    hi, has_hi = _optional(hi)
+    call = jax.ffi.ffi_call(TARGETS["topk"], jax.ShapeDtypeStruct((rows, int(k)), jnp.int32),
+                            vmap_method="sequential")
+    return call(logits, lo, hi, cols=int(cols), sorted=bool(sorted), has_lo=has_lo, has_hi=has_hi)
+
+
+def neg_inf_outside(logits, lo, hi, *, rows: int | None = None, cols: int,
+                    relative: bool) -> jax.Array:
+    """logits (float32 or bfloat16 [R, S]) with -inf at r < rows, c < cols outside [lo[r],
+    hi[r]) (lo None: 0), or with `relative` outside [0, hi[r] - lo[r]); ends clamped to
+    [0, cols]; every other element as it was. In place (input 0 aliases the result). rows
+    None: hi's length (what a symbolic row count needs: jax.export)."""
+    lo, has_lo = _optional(lo)
+    call = jax.ffi.ffi_call(TARGETS["neg_inf_outside"],
+                            jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(logits, lo, hi, rows=-1 if rows is None else int(rows), cols=int(cols),
+                relative=bool(relative),
+                has_lo=has_lo)
+
+
+def zero_masked_tail(d, masked_m) -> jax.Array:
+    """d [G, Mmax, ...] with rows masked_m[g] <= m < Mmax of each group zeroed (masked_m:
+    int32 [G], clamped to [0, Mmax]); the rest as it was. In place. A row (d's trailing
+    dimensions) must be a multiple of 16 bytes."""
+    call = jax.ffi.ffi_call(TARGETS["zero_masked_tail"], jax.ShapeDtypeStruct(d.shape, d.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(d, masked_m)
+
+
+def zero_padding_rows(d, layout, *, block: int, skip_padding_blocks: bool) -> jax.Array:
+    """d [M, ...] with the rows whose layout[r] (int32 [M]) is < 0 zeroed, except, with
+    skip_padding_blocks, in blocks of `block` rows whose first row's id is < 0 (left as they
+    are); the rest as it was. In place. A row must be a multiple of 16 bytes."""
+    call = jax.ffi.ffi_call(TARGETS["zero_padding_rows"], jax.ShapeDtypeStruct(d.shape, d.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(d, layout, block=int(block), skip_padding_blocks=bool(skip_padding_blocks))

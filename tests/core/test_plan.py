@@ -1,0 +1,167 @@
+"""The thin call: each op call is checked, shaped and planned once while tracing, and carried to
+the bridge as one versioned call-site record; one resolver says what runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dg
+from jax_dg.core import dispatch, device
+from jax_dg.core import op as ops
+from jax_dg.core.site import Site, SiteError
+from jax_dg.ops import mqa, topk
+from jax_dg.jit_cache import ffi_eqns
+
+FP8 = jnp.float8_e4m3fn
+
+
+@contextlib.contextmanager
+def counting(op, *fields):
+    """Counts calls of the record's `fields` (shapes, plan) while the block runs."""
+    counts, saved = {f: 0 for f in fields}, {f: getattr(op, f) for f in fields}
+
+    def wrap(field, fn):
+        def counted(*args, **kwargs):
+            counts[field] += 1
+            return fn(*args, **kwargs)
+        return counted
+    try:
+        for f in fields:
+            object.__setattr__(op, f, wrap(f, saved[f]))
+        yield counts
+    finally:
+        for f in fields:
+            object.__setattr__(op, f, saved[f])
+
+
+def mqa_inputs(m=64, n=256, h=32, d=64):
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(k[0], (m, h, d)).astype(FP8)
+    kv = (jax.random.normal(k[1], (n, d)).astype(FP8), jax.random.uniform(k[2], (n,), jnp.float32, 0.5, 1))
+    w = jax.random.normal(k[3], (m, h), jnp.float32)
+    ks = jnp.zeros((m,), jnp.int32)
+    ke = jnp.arange(m, dtype=jnp.int32) + n - m + 1
+    return q, kv, w, ks, ke
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_mqa_logits_is_shaped_and_planned_once_per_traced_call(clean):
+    args = mqa_inputs()
+    with counting(mqa.FP8_MQA_LOGITS, "shapes", "plan") as n:
+        jax.jit(lambda *a: jax_dg.mqa_logits(*a, clean_logits=clean)).trace(*args)
+    assert n == {"shapes": 1, "plan": 1}
+
+
+def test_the_compressed_form_and_the_indexer_are_shaped_once():
+    args = mqa_inputs()
+    with counting(mqa.FP8_MQA_LOGITS, "shapes", "plan") as n:
+        jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=64)).trace(*args)
+    assert n == {"shapes": 1, "plan": 1}
+    with counting(topk.INDEXER_TOPK, "shapes", "plan") as n, \
+            counting(mqa.FP8_MQA_LOGITS, "shapes", "plan") as inner:
+        jax.jit(lambda *a: jax_dg.indexer_topk(*a, 16)).trace(*args)
+    assert n == {"shapes": 1, "plan": 1}
+    assert inner == {"shapes": 1, "plan": 1}   # the composed op reuses the logits record once
+
+
+def test_a_native_op_is_shaped_once_and_has_no_plan():
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 100))
+    with counting(topk.TOPK, "shapes") as n:
+        jax.jit(lambda x: jax_dg.topk_indices(x, 5)).trace(x)
+    assert n == {"shapes": 1}
+    assert topk.TOPK.plan is None and topk.TOPK.run is None
+
+
+def test_a_gemm_is_shaped_once():
+    k = jax.random.split(jax.random.PRNGKey(2), 2)
+    a = jax_dg.per_token_cast_to_fp8(jax.random.normal(k[0], (64, 256)).astype(jnp.bfloat16))
+    b = jax_dg.per_block_cast_to_fp8(jax.random.normal(k[1], (128, 256)).astype(jnp.bfloat16))
+    gemm = jax_dg.ops.gemm.FP8_GEMM["nt"]
+    with counting(gemm, "shapes") as n:
+        jax.jit(jax_dg.fp8_gemm_nt).trace(a, b)
+    assert n == {"shapes": 1}
+
+
+# --- the call-site record ----------------------------------------------------------------------
+
+def test_a_site_round_trips():
+    site = Site("fp8_fp4_mqa_logits", "torch", (True, False, True), True,
+                {"max_seqlen_k": 0, "head_splits": (128, 64, 128), "clean_logits": False,
+                 "lands": True, "logits_dtype": "bfloat16", "nested": {"a": [1, 2]}})
+    text = site.encode()
+    back = Site.decode(text)
+    assert back == Site(site.op, site.backend, site.present, site.graph,
+                        {**site.static, "nested": {"a": (1, 2)}})
+    assert isinstance(back.static["head_splits"], tuple)   # tuples come back as tuples
+    assert back.encode() == text                           # one site, one string
+    # deterministic: the same record in another key order is the same string
+    assert Site(site.op, site.backend, site.present, site.graph,
+                dict(reversed(list(site.static.items())))).encode() == text
+
+
+def test_a_record_of_another_version_or_no_record_is_refused():
+    text = Site("x", "torch", (), False, {}).encode().replace('"v":1', '"v":0')
+    with pytest.raises(SiteError, match="version 0"):
+        Site.decode(text)
+    with pytest.raises(SiteError, match="not a call-site record"):
+        Site.decode('["x", "torch", "1", {}, false]')   # the list form of earlier versions
+    with pytest.raises(SiteError, match="not a call-site record"):
+        Site.decode("{not json")
+
+
+def test_the_traced_call_carries_its_plan_in_the_record():
+    args = mqa_inputs()
+    jaxpr = jax.make_jaxpr(lambda *a: jax_dg.mqa_logits(*a))(*args)
+    sites = [Site.decode(str(dict(e.params["attributes"])["site"])) for e in ffi_eqns(jaxpr.jaxpr)
+             if "site" in dict(e.params["attributes"])]
+    assert len(sites) == 1
+    (site,) = sites
+    assert site.op == "fp8_fp4_mqa_logits" and site.backend == "torch"   # concrete, not "auto"
+    assert site.present == (True,) * 6 and site.static["lands"] is True
+    # the own -inf kernel follows as a native call in XLA, not inside the bridge call
+    targets = [str(e.params["target_name"]) for e in ffi_eqns(jaxpr.jaxpr, own=True)]
+    assert targets == ["jax_dg_fp8_fp4_mqa_logits", "jax_dg_native_neg_inf_outside"]
+
+
+# --- one resolver ------------------------------------------------------------------------------
+
+def test_one_resolver_for_the_call_info_and_warm_up():
+    from jax_dg import __main__ as cli
+    t = device.target()
+    for op in ops.OPS.values():
+        if op.name.startswith("_"):
+            continue
+        how = dispatch.resolve(op, (), t)
+        mode, why = cli.op_status(op, "cpu", None, "auto")
+        assert how.why in why, (op.name, how.why, why)
+        assert (mode == "raises") == (how.runs == "raises")
+
+
+def test_the_resolver_names_what_runs():
+    t = device.target()
+    assert dispatch.resolve(topk.TOPK, (), t).runs == "native"
+    assert dispatch.resolve(mqa.FP8_MQA_LOGITS, (), t).runs == "torch"
+    how = dispatch.resolve(mqa.FP8_MQA_LOGITS, (), t)
+    assert "neg_inf_outside" in how.why   # the own kernel that follows is named
+    with jax_dg.use_backend("xla"):
+        assert dispatch.resolve(topk.TOPK, (), t).runs == "xla"
+    gpu = device.Target("deep_gemm", "cuda", "sm80", 108)
+    how = dispatch.resolve(mqa.FP8_MQA_LOGITS, (), gpu, requested="auto")
+    assert how.runs == "raises" and isinstance(how.error, jax_dg.UnsupportedArchError)
+    cpu = device.Target("deep_gemm", "cpu", "sm90", 132)
+    how = dispatch.resolve(mqa.FP8_MQA_LOGITS, (), cpu, requested="deep_gemm")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        how.check()
+
+
+def test_every_target_is_exportable():
+    names = set(ops.targets())
+    assert {"jax_dg_fp8_gemm_nt", "jax_dg_fp8_gemm_nt_graph", "jax_dg_native_topk",
+            "jax_dg_native_neg_inf_outside"} <= names
+    assert len(jax_dg.export_safety_checks()) == len(names)
+    np.testing.assert_equal(sorted(names), ops.targets())
