@@ -28,7 +28,7 @@ import torch
 
 import deep_gemm
 import jax_dg
-from jax_dg import paged
+from jax_dg.operands import paged
 
 SHAPES = [(64, 8192), (256, 32768)]
 H, D, NEXT_N, BLOCK = 64, 128, 1, 64

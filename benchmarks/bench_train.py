@@ -69,7 +69,7 @@ def main():
             """What jax_dg's step does besides the three GEMMs: the five quantisations, the
             transposes, the MN-major scale layouts."""
             from jax_dg.reference.quant import per_block_cast_to_fp8 as pb, per_token_cast_to_fp8 as pt
-            from jax_dg.scales import mn_major_physical as phys
+            from jax_dg.operands.scales import mn_major_physical as phys
             xq, wq, dq, dtq, xtq = pt(x), pb(w), pt(dy), pt(dy.T), pt(x.T)
             return (xq[0], phys(xq[1]), wq, wq[0].T, dq[0], phys(dq[1]), dtq[0], phys(dtq[1]), xtq[0],
                     phys(xtq[1]))

@@ -1,6 +1,6 @@
 """DeepSeek V3.2's lightning indexer as one jitted JAX step: MQA logits -> top-k keys per query.
 
-    python examples/indexer_topk.py                 # DeepGEMM on a GPU, the torch reference on CPU
+    python examples/indexer_topk.py                 # DeepGEMM on a GPU, the torch emulation on CPU
     python examples/indexer_topk.py --seq 512 --keys 4096 --topk 512
     JAX_DG_BACKEND=xla python examples/indexer_topk.py   # pure JAX, no custom call
     python -m jax_dg warmup examples/indexer_topk.py     # compile its DeepGEMM kernels ahead

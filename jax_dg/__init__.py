@@ -1,36 +1,47 @@
 """jax_dg: DeepGEMM's kernels as XLA FFI custom calls for JAX.
 
+A call, top to bottom. While tracing, an op's public function (jax_dg/ops) binds its Op
+record: the arguments are checked and the results shaped once, core.dispatch decides what runs
+(DeepGEMM, its torch emulation, jax_dg's own kernel, or the pure-JAX reference), the record's
+plan decides the rest, and core.site carries all of it to the bridge as one versioned
+call-site record; what follows DeepGEMM's call (the -inf fill, the top-k, the zero rows) is
+composed in XLA as native calls. At run time XLA calls ffi/bridge.cc, which hands DLPack views
+and XLA's stream to the site's prepared closure: the DeepGEMM call and nothing else. jax_dg's
+own kernels run as typed FFI handlers (ffi/native.cc): no Python, capturable in CUDA graphs.
+
 Layers, top to bottom; a module imports only from its own layer or the layers below it
 (tests/test_layering.py enforces it, and that there is no import cycle):
 
-  public     jax_dg (this file), jax_dg.__main__
-  ops        jax_dg.ops.*: one Op declaration per kernel, and their public functions;
-             user helpers: quant, scales, routing, paged, indexer, capability, exporting,
-             interop (torch <-> JAX arrays), jit_cache (DeepGEMM's JIT cache: warm-up)
-  core       jax_dg.core.*: Op and the bridge (op, bridge), checks and errors, index values
-             (values: sanitised, or checked under jax_dg.checked()), the device and
-             trace target (device), backend selection (backend), torch-side helpers (runtime),
-             DeepGEMM's allocations in XLA's buffers (landing)
+  public     jax_dg (this file), jax_dg.__main__ (`python -m jax_dg info | warmup`)
+  ops        jax_dg.ops.*: one Op declaration per kernel family, and their public functions;
+             jax_dg.operands.*: what users make the ops' operands with (quant, scales,
+             routing, paged, indexer); jax_dg.tools.*: what works around the ops (warmup,
+             exporting, interop between torch and JAX arrays, capability queries)
+  core       jax_dg.core.*: the Op record and its call (op), the call-site record (site), the
+             dispatch resolver (dispatch), the bridge's Python half (bridge), jax_dg's own
+             kernels' custom calls (native), derivatives, sharding, checks and errors, index
+             values (values), the device and trace target (device), backend selection
+             (backend), torch-side helpers of run functions (runtime), DeepGEMM's allocations
+             landed in XLA's buffers (landing)
   reference  jax_dg.reference.*: the pure-JAX references (the test oracle, backend "xla")
-  backends   jax_dg.backends.*: kernel namespaces with DeepGEMM's API: deep_gemm (a leaf that
-             imports nothing of jax_dg), kernels (jax_dg's own CUDA kernels), torch_ref (both
-             APIs in plain torch)
+  backends   jax_dg.backends.*: DeepGEMM's API: deep_gemm (the installed package, resolved
+             across versions; a leaf that imports nothing of jax_dg) and torch_emu (DeepGEMM's
+             kernels emulated in plain torch: the CPU backend)
   numerics   jax_dg.numerics: DeepGEMM's FP8 quantisation arithmetic in jax.numpy (scale factor,
              UE8M0 rounding, the cast), the one piece of math the product and the pure-JAX
              reference share (imports jax and at most contracts; the backends do not use it)
   contracts  jax_dg.contracts: DeepGEMM's sizes and buffer layouts as plain data (no imports)
 
-The two references never borrow from each other: what both need is a contract. The product's
-helpers (quant, scales, routing, paged, indexer, capability, exporting, interop, jit_cache)
-and layers (ops.linear) never import jax_dg.reference: the oracle checks them, so it is not
-them (only the ops' declarations name it, as their `reference=`, the "xla" backend).
-Import order matters: jax is imported before the compiled bridge (jax_dg.core.bridge).
+"Reference" means the pure-JAX oracle only; the torch backend is an emulation. The references
+never borrow from the product: jax_dg.operands, jax_dg.tools and ops.linear never import
+jax_dg.reference (only the ops' declarations name it, as their `reference=`, the "xla"
+backend). Import order matters: jax is imported before the compiled extensions.
 """
 
 import jax  # noqa: F401  (must precede the extension, see jax_dg/core/bridge.py)
 
-from jax_dg import paged  # jax_dg.paged: pack/unpack paged KV caches, build block tables
-from jax_dg.capability import (
+from jax_dg.operands import paged  # jax_dg.paged: pack/unpack paged KV caches, build block tables
+from jax_dg.tools.capability import (
     DeepGemmQuantScaleFMT,
     has_deep_gemm,
     is_blackwell_deep_gemm_used,
@@ -42,10 +53,10 @@ from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
 from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
 from jax_dg.core.values import checked  # data-dependent index values raise instead of being clamped
-from jax_dg import interop
-from jax_dg.exporting import export_safety_checks
-from jax_dg.jit_cache import warmup
-from jax_dg.indexer import (
+from jax_dg.tools import interop
+from jax_dg.tools.exporting import export_safety_checks
+from jax_dg.tools.warmup import warmup
+from jax_dg.operands.indexer import (
     causal_ks_ke,
     fold_q_scale,
     per_row_cast_to_fp8,
@@ -100,14 +111,14 @@ from jax_dg.ops.paged_mqa import (
     paged_mqa_logits,
 )
 from jax_dg.ops.topk import indexer_topk, paged_indexer_topk, topk_indices
-from jax_dg.quant import (
+from jax_dg.operands.quant import (
     calc_diff,
     ceil_to_ue8m0,
     pack_ue8m0_to_int,
     per_block_cast_to_fp8,
     per_token_cast_to_fp8,
 )
-from jax_dg.routing import (
+from jax_dg.operands.routing import (
     ContiguousLayout,
     MaskedLayout,
     combine_from_contiguous,
@@ -122,7 +133,7 @@ from jax_dg.routing import (
     psum_layout,
     set_mk_alignment_for_contiguous_layout,
 )
-from jax_dg.scales import (
+from jax_dg.operands.scales import (
     get_col_major_tma_aligned_tensor,
     get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_packed_ue8m0_tensor,

@@ -64,10 +64,10 @@ def function_status(fn, platform_name: str, family: str | None, backend: str) ->
 
 
 def public_functions() -> list[tuple[str, Any]]:
-    """(name, function) of what a user calls: jax_dg's public callables and jax_dg.paged's."""
+    """(name, function) of what a user calls: jax_dg's public callables and jax_dg.operands.paged's."""
     import jax_dg
     out = []
-    for prefix, mod in (("", jax_dg), ("paged.", jax_dg.paged)):
+    for prefix, mod in (("", jax_dg), ("paged.", jax_dg.operands.paged)):
         for name in mod.__all__:
             obj = getattr(mod, name)
             if callable(obj) and not isinstance(obj, type):   # functions, jitted ones too
@@ -80,7 +80,7 @@ def collect() -> dict[str, Any]:
     import jax
 
     import jax_dg
-    from jax_dg import capability, jit_cache
+    from jax_dg.tools import capability, warmup
     from jax_dg.backends import deep_gemm
     from jax_dg.core import backend as selection
     from jax_dg.core import device
@@ -116,7 +116,7 @@ def collect() -> dict[str, Any]:
     else:
         info["deep_gemm"] = {"found": True, "module": dg.__name__, "version": deep_gemm.version(),
                              "path": os.path.dirname(getattr(dg, "__file__", "") or "")}
-    info["jit_cache_dir"] = jit_cache.cache_dir()
+    info["jit_cache_dir"] = warmup.cache_dir()
     info["e8m0_used"] = capability.is_deep_gemm_e8m0_used()
     info["scale_format"] = capability.DeepGemmQuantScaleFMT.from_oracle().name
     first = jax.devices()[0]
@@ -181,7 +181,7 @@ def load_script(spec: str):
 
 
 def warmup_main(args) -> int:
-    from jax_dg import jit_cache
+    from jax_dg.tools import warmup
     try:
         module = load_script(args.script)
     except (OSError, ImportError, AttributeError) as e:
@@ -191,7 +191,7 @@ def warmup_main(args) -> int:
     for name, fn, fn_args, fn_kwargs in module.warmup_jobs(args.script_args):
         if args.progress != "off":
             print(f"== {name}", file=sys.stderr)
-        reports.append((name, jit_cache.warmup(fn, *fn_args, progress=args.progress, **fn_kwargs)))
+        reports.append((name, warmup.warmup(fn, *fn_args, progress=args.progress, **fn_kwargs)))
     if args.json:
         print(json.dumps([{"job": name, **r.as_dict()} for name, r in reports], indent=1))
     else:
@@ -201,7 +201,7 @@ def warmup_main(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jax_dg.jit_cache import PROGRESS
+    from jax_dg.tools.warmup import PROGRESS
     parser = argparse.ArgumentParser(prog="python -m jax_dg", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", metavar="{info,warmup}")
     commands.add_parser("info", help="what jax_dg sees here (the default)")

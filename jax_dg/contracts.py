@@ -1,6 +1,6 @@
 """DeepGEMM's contracts as plain data: sizes, block shapes and buffer layouts.
 
-The one neutral module that the ops (trace time), the torch reference (the backend it checks)
+The one neutral module that the ops (trace time), the torch emulation (the backend it checks)
 and the pure-JAX reference (the oracle) all read, so that neither reference borrows a fact
 from the other. Plain Python only: it imports nothing, not even jax.
 """

@@ -1,5 +1,5 @@
 """DeepGEMM's FP8 quantisation arithmetic in jax.numpy: the one piece of math that both the
-product (jax_dg.quant, jax_dg.paged, jax_dg.indexer, jax_dg.ops.linear) and the pure-JAX
+product (jax_dg.operands.quant, jax_dg.operands.paged, jax_dg.operands.indexer, jax_dg.ops.linear) and the pure-JAX
 reference (jax_dg.reference.quant, the test oracle) need.
 
 Per block, DeepGEMM (deep_gemm/utils/math.py) computes
@@ -10,10 +10,10 @@ Per block, DeepGEMM (deep_gemm/utils/math.py) computes
 Only these element-wise formulas live here; how blocks are formed (padding, reshapes, which
 axes a scale covers) and how scales are stored is each side's own code, so the product and the
 oracle stay two implementations that the tests compare bitwise (and both against DeepGEMM's
-torch formulas, tests/test_quant.py).
+torch formulas, tests/operands/test_quant.py).
 
 Layer: below everything but jax_dg.contracts; it imports jax and nothing of jax_dg. The torch
-reference (jax_dg.backends.torch_ref) does not use it: it states the formulas in torch.
+reference (jax_dg.backends.torch_emu) does not use it: it states the formulas in torch.
 """
 
 from __future__ import annotations

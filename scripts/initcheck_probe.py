@@ -18,7 +18,7 @@ import torch
 
 import jax_dg
 import deep_gemm
-from jax_dg.interop import to_jax, to_torch
+from jax_dg.tools.interop import to_jax, to_torch
 
 
 def step(tag):

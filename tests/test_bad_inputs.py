@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg import paged
+from jax_dg.operands import paged
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 

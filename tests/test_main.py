@@ -16,7 +16,7 @@ def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
     assert {"fp8_gemm_nt", "mqa_logits", "paged_mqa_logits", "bf16_mega_gate", "mega_mhc",
             "per_token_cast_to_fp8", "paged.pack_kv_cache"} <= names
     assert not [n for n in names if n.endswith("_varlen") or n.startswith("_")]   # internal records
-    assert names <= set(jax_dg.__all__) | {f"paged.{n}" for n in jax_dg.paged.__all__}
+    assert names <= set(jax_dg.__all__) | {f"paged.{n}" for n in jax_dg.operands.paged.__all__}
     # every registered op is reachable from some public function
     exposed = {op for f in info["functions"] for op in f["ops"]}
     assert exposed == {n for n in OPS if not n.startswith("_")}
@@ -29,7 +29,7 @@ def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
         kernels = [f for f in info["functions"] if f["ops"]]
         assert not any(f["native"] for f in kernels)
         assert {f["mode"] for f in kernels} == {"reference"}
-        assert all("torch reference" in f["how"] or "own kernel" in f["how"] for f in kernels)
+        assert all("torch emulation" in f["how"] or "own kernel" in f["how"] for f in kernels)
         assert next(f for f in kernels if f["name"] == "topk_indices")["how"].startswith(
             "jax_dg's own kernel topk (its C++ twin on cpu")
         assert info["devices"][0]["arch"] is None
@@ -41,7 +41,7 @@ def test_op_status_reasons():
     assert mode == "raises" and "UnsupportedArchError" in how and "needs sm100" in how
     assert cli.op_status(op, "gpu", "sm100", "xla") == ("reference", "pure-JAX reference (JAX_DG_BACKEND=xla)")
     assert cli.op_status(op, "cpu", None, "auto")[0] == "reference"
-    assert "torch reference" in cli.op_status(op, "cpu", None, "auto")[1]
+    assert "torch emulation" in cli.op_status(op, "cpu", None, "auto")[1]
 
 
 def test_jax_dgs_own_kernels_are_not_looked_for_in_deep_gemm(monkeypatch):

@@ -1,7 +1,7 @@
 """Concurrency (issue 13): 8 Python threads calling different jitted jax_dg programs at once
 give results bitwise equal to a single-threaded run, and finish (a deadlock between the GIL,
 XLA's threads and torch's stream state fails the test by its timeout instead of hanging it).
-On the CPU through the torch reference; on the GPU through DeepGEMM and jax_dg's top-k kernel.
+On the CPU through the torch emulation; on the GPU through DeepGEMM and jax_dg's top-k kernel.
 Under compute-sanitizer run it with `scripts/sanitize.sh threads`: the sanitizer's host
 backtraces take the GIL inside CUDA launches and deadlock it (README, Tests)."""
 

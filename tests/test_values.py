@@ -1,5 +1,5 @@
 """Data-dependent index values (issue 13): out-of-range values give the documented result on
-both references (the torch reference through the bridge, the pure-JAX one) and, on the GPU,
+both references (the torch emulation through the bridge, the pure-JAX one) and, on the GPU,
 on DeepGEMM (small shapes: the cases `scripts/sanitize.sh values` runs under memcheck); under
 jax_dg.checked() each raises naming the argument, eagerly and inside jit."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg import paged
+from jax_dg.operands import paged
 from jax_dg.core import values
 
 FP8 = jnp.float8_e4m3fn
@@ -284,7 +284,7 @@ def test_compressed_clamp_does_not_overflow_near_int_min():
 def test_references_agree_on_raw_out_of_range_tables():
     """The two references alone (no op sanitising) define an out-of-range entry the same way."""
     import torch
-    from jax_dg.backends.torch_ref import paged_mqa as tref
+    from jax_dg.backends.torch_emu import paged_mqa as tref
     from jax_dg.reference import paged_mqa as jref
     fn, (q, cache, w, ctx, bad), _ = paged_table_case()
     lens = ctx[:, None]
@@ -294,7 +294,7 @@ def test_references_agree_on_raw_out_of_range_tables():
     qt = t(jax.lax.bitcast_convert_type(q, jnp.uint8)).view(torch.float8_e4m3fn)
     got = tref.fp8_fp4_paged_mqa_logits((qt, None), t(cache), t(w), t(lens), t(bad), meta, 256).numpy()
     valid = ~np.isneginf(want)
-    np.testing.assert_array_equal(valid, ~np.isnan(got))   # the torch reference leaves NaN
+    np.testing.assert_array_equal(valid, ~np.isnan(got))   # the torch emulation leaves NaN
     np.testing.assert_allclose(got[valid], want[valid], rtol=2e-3, atol=2e-3)
 
 

@@ -3,7 +3,7 @@
   deep_gemm  the installed DeepGEMM, found lazily, symbols resolved across versions (a leaf:
              it imports nothing of jax_dg)
   kernels    jax_dg's own CUDA kernels (kernels/*.cu; the indexer's top-k), where built
-  torch_ref  DeepGEMM's API implemented in plain torch (the CPU backend, any device on request),
+  torch_emu  DeepGEMM's API implemented in plain torch (the CPU backend, any device on request),
              and references of jax_dg's own kernels
 
 Which one runs is chosen in jax_dg.core.backend.

@@ -18,7 +18,7 @@ from typing import Any, Callable
 INSTALL_HINT = (
     "Install DeepGEMM built for your torch (e.g. `pip install deep_gemm` from "
     "https://github.com/deepseek-ai/DeepGEMM, or a wheel such as tokenspeed-deepgemm), "
-    "or run the torch reference with JAX_DG_BACKEND=torch."
+    "or run the torch emulation with JAX_DG_BACKEND=torch."
 )
 
 # Public name -> names to try, newest first (DeepGEMM renamed kernels across releases). Only

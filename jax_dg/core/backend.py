@@ -2,9 +2,9 @@
 jax_dg/backends/, the pure-JAX references in jax_dg/reference/).
 
 `JAX_DG_BACKEND` (read when a function is traced):
-  auto       DeepGEMM on CUDA devices, the torch reference on CPU (default)
+  auto       DeepGEMM on CUDA devices, the torch emulation on CPU (default)
   deep_gemm  DeepGEMM only; an error on CPU
-  torch      the torch reference through the FFI bridge, on any device
+  torch      the torch emulation through the FFI bridge, on any device
   xla        no custom call: the pure-JAX reference is traced in place of the op
 """
 
@@ -57,16 +57,16 @@ def concrete(backend: str, platform: str, strict: bool = True) -> str:
         return "deep_gemm" if platform == "cuda" else "torch"
     if backend == "deep_gemm" and platform != "cuda" and strict:
         raise RuntimeError(f"{ENV}=deep_gemm needs a CUDA device; this call runs on {platform}. "
-                           f"Use {ENV}=auto (torch reference on CPU).")
+                           f"Use {ENV}=auto (torch emulation on CPU).")
     return backend
 
 
 def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
     """The kernel namespace an op's run function receives as `dg`: the resolved DeepGEMM
-    symbols, or the torch reference (which implements DeepGEMM's API in plain torch).
+    symbols, or the torch emulation (which implements DeepGEMM's API in plain torch).
     `backend` is the concrete one the call-site record carries."""
     if concrete(backend, platform) == "torch":
-        from jax_dg.backends import torch_ref
-        return torch_ref
+        from jax_dg.backends import torch_emu
+        return torch_emu
     from jax_dg.backends import deep_gemm
     return deep_gemm.namespace(symbols)

@@ -15,6 +15,7 @@ use-after-free on replay.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import jax  # keep ahead of the extension: loading it first crashes jax's import (see tests)
@@ -62,10 +63,23 @@ def call_count() -> int:
     return _bridge.call_count()
 
 
+_STAGES: list | None = None   # with the probe on: (entered, stream set, run returned, left)
+
+
 def probe(on: bool) -> None:
     """Starts (or stops) recording when each handler entry runs (benchmarks/bench_dispatch.py);
-    clears what was recorded."""
+    clears what was recorded. On, call sites are prepared again with a closure that also
+    records its own stages (probe_stages)."""
+    global _STAGES
     _bridge.probe(bool(on))
+    _bridge.clear_caches()
+    _STAGES = [] if on else None
+
+
+def probe_stages() -> list[tuple[int, int, int, int]]:
+    """(entered the closure, torch's stream set to XLA's, the op's run function returned, left)
+    per CUDA call since probe(True), time.monotonic_ns() nanoseconds."""
+    return list(_STAGES or ())
 
 
 def probe_events() -> list[tuple[int, int, int, int, int, int]]:
@@ -105,6 +119,9 @@ def _prepare(text: str, platform: str) -> Callable:
     get_stream, set_stream = C._cuda_getCurrentStream, C._cuda_setStream
     xla = [None, None]   # XLA's last stream (pointer) and its torch (id, device, type)
 
+    if _STAGES is not None:
+        return _probed(run, get_device, set_device, get_stream, set_stream)
+
     def run_on_xla_stream(stream: int, device: int, ins: tuple, outs: tuple) -> None:
         # DeepGEMM launches on torch's current stream: make it XLA's (and the device XLA's)
         # for the call, then give torch its own back.
@@ -122,6 +139,30 @@ def _prepare(text: str, platform: str) -> Callable:
             if prev_device != device:
                 set_device(prev_device)
 
+    return run_on_xla_stream
+
+
+def _probed(run, get_device, set_device, get_stream, set_stream) -> Callable:
+    """run_on_xla_stream with its stages timed (probe(True) only: never on the hot path)."""
+    stages, now = _STAGES, time.monotonic_ns
+
+    def run_on_xla_stream(stream: int, device: int, ins: tuple, outs: tuple) -> None:
+        t0 = now()
+        xla = runtime.torch_stream(stream, device)
+        prev_device = get_device()
+        if prev_device != device:
+            set_device(device)
+        prev = get_stream(device)
+        set_stream(*xla)
+        t1 = now()
+        try:
+            run(ins, outs)
+            t2 = now()
+        finally:
+            set_stream(*prev[:3])
+            if prev_device != device:
+                set_device(prev_device)
+        stages.append((t0, t1, t2, now()))
     return run_on_xla_stream
 
 

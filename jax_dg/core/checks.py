@@ -46,8 +46,8 @@ class Checker:
     def array(self, x: Any, arg: str) -> None:
         if is_torch_tensor(x):
             self.fail(arg, "must be a jax.Array, not a torch tensor: convert it with "
-                      "jax_dg.interop.to_jax (zero-copy), or call the function through "
-                      "jax_dg.interop.torch_callable", type(x).__name__)
+                      "jax_dg.tools.interop.to_jax (zero-copy), or call the function through "
+                      "jax_dg.tools.interop.torch_callable", type(x).__name__)
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             self.fail(arg, "must be an array", type(x).__name__)
 

@@ -80,7 +80,7 @@ def target() -> Target:
     DeepGEMM on CUDA: the device's family and `deep_gemm.get_num_sms()` (which the logits
     kernel checks the schedule against; `deep_gemm.set_num_sms` changes both). The references
     (CPU, or JAX_DG_BACKEND=torch/xla) emulate the SM90 contract with the CUDA device's SM
-    count, or 132 (H100/H200) without one; `jax_dg.backends.torch_ref.set_num_sms` overrides it.
+    count, or 132 (H100/H200) without one; `jax_dg.backends.torch_emu.set_num_sms` overrides it.
     """
     where = platform()
     requested = selection.requested()
@@ -89,5 +89,5 @@ def target() -> Target:
         dg = deep_gemm.module()
         if dg is not None:
             return Target(concrete, where, family(), int(dg.get_num_sms()))
-    from jax_dg.backends.torch_ref import device as emulated
+    from jax_dg.backends.torch_emu import device as emulated
     return Target(concrete, where, contracts.EMULATED_ARCH, emulated.get_num_sms())

@@ -5,7 +5,7 @@ all ask `resolve`, so what a call does and what jax_dg says it does cannot drift
 
     runs        what         at run time
     "deep_gemm" DeepGEMM's kernel through the bridge (DLPack views, XLA's stream)
-    "torch"     the torch reference of DeepGEMM's kernel through the same bridge
+    "torch"     the torch emulation of DeepGEMM's kernel through the same bridge
     "native"    jax_dg's own kernel: a typed XLA FFI handler (C++; CUDA or its CPU twin)
     "xla"       no custom call: the pure-JAX reference is traced in place of the op
     "raises"    nothing runs: `error` is raised while tracing
@@ -61,14 +61,14 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
         return Dispatch("native", f"jax_dg's own kernel {', '.join(op.own_kernels)} ({where})",
                         graph=t.platform == "cuda")
     if t.backend == "torch":
-        why = ("torch reference through the bridge" +
+        why = ("torch emulation through the bridge" +
                (f" ({selection.ENV}=torch)" if requested == "torch" else f" ({t.platform}: no CUDA device)"))
         mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
         return Dispatch("torch", why + mine, graph="torch" in op.graph_safe)
     if t.platform != "cuda":
         return Dispatch("raises", "DeepGEMM needs a CUDA device", error=RuntimeError(
             f"{selection.ENV}=deep_gemm needs a CUDA device; this call runs on {t.platform}. "
-            f"Use {selection.ENV}=auto (torch reference on CPU)."))
+            f"Use {selection.ENV}=auto (torch emulation on CPU)."))
     archs = needs(op, given)
     if t.arch not in archs:
         with_args = [a for a in given if a in op.arg_archs]
@@ -76,8 +76,8 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
         return Dispatch("raises", f"no DeepGEMM kernel on {t.arch} (needs {', '.join(sorted(archs))})",
                         error=UnsupportedArchError(
             f"jax_dg: `{op.name}`{form} has a DeepGEMM kernel only on {', '.join(sorted(archs))}; "
-            f"this GPU is {t.arch}. Its reference runs anywhere: {selection.ENV}=torch (through "
-            f"the bridge) or {selection.ENV}=xla (pure JAX)."))
+            f"this GPU is {t.arch}. It runs anywhere as {selection.ENV}=torch (DeepGEMM emulated "
+            f"in torch, through the bridge) or {selection.ENV}=xla (the pure-JAX reference)."))
     if deep_gemm.module() is None:
         return Dispatch("raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}",
                         error=deep_gemm.missing_error(op.symbols[0] if op.symbols else op.name))

@@ -13,8 +13,8 @@ in that result:
   and refuses anything else. After the call the result tensor and the pool are dropped, so
   torch releases the pool's segment (the free function releases nothing: the memory is XLA's)
   and no later call can be handed this buffer again.
-- CPU (the torch reference): the reference's one allocation takes the buffer armed for the
-  thread (backends.torch_ref.device.padded_empty).
+- CPU (the torch emulation): the reference's one allocation takes the buffer armed for the
+  thread (backends.torch_emu.device.padded_empty).
 
 If the allocation did not land (a refused request, a buffer too small to be worth landing, a
 DeepGEMM whose layout differs from the declared one), DeepGEMM's own buffer is copied into
@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from jax_dg import contracts
-from jax_dg.backends.torch_ref import device as ref_device
+from jax_dg.backends.torch_emu import device as ref_device
 from jax_dg.core import _bridge
 
 STATS = {"landed": 0, "copied": 0}

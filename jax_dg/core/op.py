@@ -20,7 +20,7 @@
     )
 
 An op runs either DeepGEMM through the bridge (`run`, written against DeepGEMM's API: `dg` is
-the resolved DeepGEMM symbols on CUDA or the torch reference of the same contract) or one of
+the resolved DeepGEMM symbols on CUDA or the torch emulation of the same contract) or one of
 jax_dg's own kernels (`native`: the lowering to its typed FFI handler, jax_dg.core.native, with
 no Python at run time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
 
@@ -30,7 +30,7 @@ the logical view of a padded result, or a native kernel over it (the -inf fill, 
 Batching, sharding and derivatives see the finished outputs.
 
 `graph_safe` names where `run` allocates nothing on torch's side and launches the same work on
-every call (DeepGEMM architectures, or "torch" for the torch reference): there the op lowers to
+every call (DeepGEMM architectures, or "torch" for the torch emulation): there the op lowers to
 the command-buffer-compatible target, so XLA may capture it into a CUDA graph (see
 jax_dg.core.bridge). Native ops are always capture-safe on CUDA.
 """

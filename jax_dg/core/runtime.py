@@ -106,7 +106,7 @@ def arch_major(t: torch.Tensor) -> int:
 def mn_major_view(physical: torch.Tensor, mn: int) -> torch.Tensor:
     """The logical [(G,) MN, K'] scales DeepGEMM's get_mn_major_tma_aligned_tensor returns as
     they are (no allocation, no transpose): a strided view of the physical buffer
-    [(G,) K', align(MN, 4)] built in the jitted program (jax_dg.scales)."""
+    [(G,) K', align(MN, 4)] built in the jitted program (jax_dg.operands.scales)."""
     key = (physical.data_ptr(), tuple(physical.shape), mn)
     view = _MN_MAJOR.get(key)
     if view is None:

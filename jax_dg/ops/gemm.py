@@ -15,7 +15,7 @@ from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED, M_GROUPED_FP8_MASKED
 from jax_dg.reference import gemm as ref
-from jax_dg.scales import mn_major_logical, mn_major_physical
+from jax_dg.operands.scales import mn_major_logical, mn_major_physical
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -81,7 +81,7 @@ def _check_operands(ck: Checker, a, b, storage: str, dtype) -> tuple[int, int, i
 # fp8_gemm_nt on transposed arrays (XLA transposes them), or use JAX_DG_BACKEND=torch / xla.
 
 def _mn_major(storage: str, recipe) -> tuple[bool, bool]:
-    """Which scales reach the op as MN-major physical buffers (jax_dg.scales.mn_major_physical):
+    """Which scales reach the op as MN-major physical buffers (jax_dg.operands.scales.mn_major_physical):
     on nt, the per-token a's and per-channel b's, which DeepGEMM's SM90 kernels read MN-major and
     TMA-aligned. Built in the jitted program, DeepGEMM takes them as they are and allocates
     nothing (what makes the call capture-safe)."""
@@ -92,7 +92,7 @@ def _check_sf(ck: Checker, sf, arg: str, mn: int, kb: int, gran_mn: int, transpo
              physical: bool, k_text: str, mn_name: str) -> None:
     if physical:
         ck.tensor(sf, arg, [F32], (kb, align(mn, 4)),
-                  f"[{k_text}, align({mn_name}, 4)] (MN-major physical, jax_dg.scales.mn_major_physical)")
+                  f"[{k_text}, align({mn_name}, 4)] (MN-major physical, jax_dg.operands.scales.mn_major_physical)")
     else:
         ck.tensor(sf, arg, [F32], _grid(cdiv(mn, gran_mn), kb, transposed),
                   _grid_text(transposed, f"ceil({mn_name}/{gran_mn})", k_text))

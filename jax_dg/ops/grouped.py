@@ -25,8 +25,8 @@ from jax_dg.core import device, native, values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, exposes
 from jax_dg.core.sharding import Layout, Sharding
-from jax_dg.routing import get_mk_alignment_for_contiguous_layout
-from jax_dg.scales import mn_major_logical, mn_major_physical
+from jax_dg.operands.routing import get_mk_alignment_for_contiguous_layout
+from jax_dg.operands.scales import mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -58,7 +58,7 @@ def _m_grouped_operands(ck: Checker, a, sfa, b, sfb, *, fp8: bool, masked: bool,
         if physical:
             ck.tensor(sfa, "a[1]", [F32], (*a.shape[:-2], cdiv(k, 128), align(m, 4)),
                       ("[G, ceil(K/128), align(Mmax, 4)]" if masked else "[ceil(K/128), align(M, 4)]")
-                      + " (MN-major physical, jax_dg.scales.mn_major_physical)")
+                      + " (MN-major physical, jax_dg.operands.scales.mn_major_physical)")
         else:
             ck.tensor(sfa, "a[1]", [F32], (*a.shape[:-1], cdiv(k, 128)),
                       "[G, Mmax, ceil(K/128)]" if masked else "[M, ceil(K/128)]")
@@ -129,7 +129,7 @@ _SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": False}
 def _zero_padding_rows(kind: str):
     """The contiguous ops' finish: with clean, the padding rows of d zeroed in place by jax_dg's
     own kernel. The skip was established on SM90 only (DeepGEMM's kernel there): every
-    padding row is zeroed elsewhere, and on the torch reference."""
+    padding row is zeroed elsewhere, and on the torch emulation."""
     def finish(outs, inputs, *, mk_alignment, clean, compiled_dims=None):
         (d,) = outs
         if not clean:
@@ -236,7 +236,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     as routing.permute_to_contiguous makes them).
     use_psum_layout=True: grouped_layout is instead int32 [G], psum[j] = the end row (exclusive)
     of group j, whose rows run from align(psum[j-1], A) (0 for j = 0) to psum[j]; M % A == 0
-    still (jax_dg.routing.psum_layout builds it from top-k ids). Offsets known while tracing
+    still (jax_dg.operands.routing.psum_layout builds it from top-k ids). Offsets known while tracing
     (numpy, lists, constants) must be non-decreasing and in [0, M] (ArgumentError); traced
     ones are clipped to [0, M] and to their running maximum before DeepGEMM reads them
     (always; a decreasing entry makes its group empty; under `jax_dg.checked()` they raise

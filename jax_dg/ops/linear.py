@@ -30,7 +30,7 @@ from jax_dg.core.op import exposes
 from jax_dg.ops.gemm import FP8_GEMM, fp8_gemm_nt
 from jax_dg.ops.grouped import K_GROUPED_FP8, M_GROUPED_FP8_MASKED, k_grouped_fp8_gemm_nt_contiguous, \
     m_grouped_fp8_gemm_nt_masked
-from jax_dg.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from jax_dg.operands.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32

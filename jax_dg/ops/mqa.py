@@ -25,7 +25,7 @@ from jax_dg.core.checks import Checker
 from jax_dg.core import device, native, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
-from jax_dg.indexer import fold_q_scale
+from jax_dg.operands.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -332,7 +332,7 @@ def _sparse_meta_run(dg, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, spars
 def _sparse_meta_reference(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
     m, nmsb = indices.shape
     size = contracts.sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms, paged=False)
-    # The backend's part: the same three vectors (as the torch reference writes them).
+    # The backend's part: the same three vectors (as the torch emulation writes them).
     again = jnp.concatenate([ks, ke, indices.reshape(-1)])
     return ref.pack_sparse_header([ks, ke, indices], m, nmsb, paged=False, backend_part=again,
                                   size=size)

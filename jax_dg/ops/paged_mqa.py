@@ -50,7 +50,7 @@ from jax_dg.core import device, native, values
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.mqa import check_logits_dtype, logits_buffer, qk_dtype_name, stride_align
-from jax_dg.paged import check_kv_cache
+from jax_dg.operands.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -402,7 +402,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
     q: (values float8_e4m3fn [B, next_n, H, D], None) — on SM100 optionally packed UE8M0 scales
        int32 [B, next_n, H] (see mqa_logits_mx_inputs). H in (32, 64), D in (32, 64, 128),
        next_n in (1, 2, 4) on SM90.
-    kv_cache: uint8 [num_blocks, block_size, 1, D + 4] in DeepGEMM's block layout (jax_dg.paged),
+    kv_cache: uint8 [num_blocks, block_size, 1, D + 4] in DeepGEMM's block layout (jax_dg.operands.paged),
        block_size in get_paged_mqa_page_sizes().
     weights: float32 [B * next_n, H].
     context_lens: int32 [B, next_n] (row b*next_n + j valid for t < context_lens[b, j]; the last
@@ -576,7 +576,7 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
     q: (values [M, 1, H, D'], packed UE8M0 int32 scales [M, 1, H], mandatory): MXFP8
        (float8_e4m3fn, D' = 128) or MXFP4 (int8, D' = 64 bytes of e2m1 pairs, low nibble first);
        H a multiple of 8 up to 32 (bf16 weight rows of whole 16 bytes: JAX rows are contiguous).
-    kv_cache: uint8 [pages, page_kv, 1, D' + 4] in DeepGEMM's block layout (jax_dg.paged) with
+    kv_cache: uint8 [pages, page_kv, 1, D' + 4] in DeepGEMM's block layout (jax_dg.operands.paged) with
        packed UE8M0 token scales; a page (page_kv * (D' + 4) bytes) must be a multiple of 512.
     weights: bfloat16 [M, H] (q's scale is not folded in).
     metadata: from get_paged_sparse_mqa_logits_metadata (same M, nmsb; same backend).

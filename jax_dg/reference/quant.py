@@ -4,8 +4,8 @@ test oracle (and the backend "xla"'s quantisation inside the references, e.g. ja
 Scale factor sf = max(amax of the block, 1e-4) / 448; with `use_ue8m0` it is rounded up to a
 power of two. Values are x * (1 / sf) cast to float8_e4m3fn. Those element-wise formulas are
 jax_dg.numerics (shared with the product); the blocking and the UE8M0 packing here are the
-oracle's own. The product's checked quantisers are jax_dg.quant, a separate implementation:
-neither imports the other (tests/test_layering.py), tests/test_quant.py compares them bitwise.
+oracle's own. The product's checked quantisers are jax_dg.operands.quant, a separate implementation:
+neither imports the other (tests/test_layering.py), tests/operands/test_quant.py compares them bitwise.
 These take well-formed input.
 """
 

@@ -27,8 +27,8 @@ def test_auto_is_deep_gemm_on_cuda_and_torch_on_cpu():
 
 def test_the_torch_namespace_is_the_torch_reference():
     # jax_dg's own kernels are native FFI handlers now: no namespace offers them
-    from jax_dg.backends import torch_ref
+    from jax_dg.backends import torch_emu
     ns = selection.namespace("torch", "cpu", ("fp8_fp4_mqa_logits",))
-    assert ns is torch_ref
-    assert ns.get_paged_mqa_logits_metadata is torch_ref.get_paged_mqa_logits_metadata
+    assert ns is torch_emu
+    assert ns.get_paged_mqa_logits_metadata is torch_emu.get_paged_mqa_logits_metadata
     assert not hasattr(ns, "topk_rows") and not hasattr(ns, "neg_inf_outside")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg import paged
+from jax_dg.operands import paged
 from tests.ops.test_paged_mqa import make_case
 
 FP8 = jnp.float8_e4m3fn

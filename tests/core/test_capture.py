@@ -71,16 +71,16 @@ def test_per_token_scales_reach_the_kernel_mn_major_and_tma_aligned():
             return dg_fn(a, b, *args, **kw)
         return fn
 
-    from jax_dg.backends import torch_ref
+    from jax_dg.backends import torch_emu
     for m in (1, 5, 128):
         a, b = fp8_case(m=m)
-        real = torch_ref.fp8_gemm_nt
-        torch_ref.fp8_gemm_nt = spy(real)
+        real = torch_emu.fp8_gemm_nt
+        torch_emu.fp8_gemm_nt = spy(real)
         bridge.clear_caches()
         try:
             jax.block_until_ready(jax.jit(jax_dg.fp8_gemm_nt)(a, b))
         finally:
-            torch_ref.fp8_gemm_nt = real
+            torch_emu.fp8_gemm_nt = real
             bridge.clear_caches()
         shape, stride, sf = seen[-1]
         am = -(-m // 4) * 4
@@ -145,7 +145,7 @@ def test_outside_capture_the_guard_only_counts():
 
 def _gpu_cases(key):
     """(name, fn, args) of every graph-safe family at a small DeepGEMM-friendly shape."""
-    from jax_dg import routing
+    from jax_dg.operands import routing
     k1, k2, k3, k4 = jax.random.split(key, 4)
     a, b = fp8_case(m=64, n=2112, k=7168)
     x = jax.random.normal(k1, (64, 7168), jnp.bfloat16)

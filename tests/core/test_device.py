@@ -6,7 +6,7 @@ import types
 
 import jax_dg
 from jax_dg import contracts
-from jax_dg.backends.torch_ref import device as emulated
+from jax_dg.backends.torch_emu import device as emulated
 from jax_dg.core import device
 
 

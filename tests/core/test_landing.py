@@ -1,6 +1,6 @@
 """Landing (jax_dg.core.landing): DeepGEMM's own logits allocation placed in XLA's result buffer.
 
-CPU: the torch reference allocates the way DeepGEMM does (one padded buffer per call), through
+CPU: the torch emulation allocates the way DeepGEMM does (one padded buffer per call), through
 the same protocol; the C++ allocator functions torch's MemPool calls on CUDA are exercised
 directly. GPU: pointers, no reuse across calls, the pool's release (tests/ops/test_mqa.py).
 """
@@ -19,7 +19,7 @@ import torch
 
 import jax_dg
 from jax_dg import contracts
-from jax_dg.backends.torch_ref import device as ref_device
+from jax_dg.backends.torch_emu import device as ref_device
 from jax_dg.core import _bridge, landing
 from tests.conftest import check_released
 

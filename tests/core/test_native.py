@@ -1,6 +1,6 @@
 """jax_dg's own kernels as native XLA FFI handlers (ffi/native.cc, jax_dg.core.native).
 
-CPU: the C++ handlers through XLA, bitwise against the torch references of the kernels
+CPU: the C++ handlers through XLA, bitwise against the torch specifications of the kernels
 (tests/own_kernels_oracle.py) and, for the top-k, the pure-JAX oracle; the in-place aliasing; the
 errors; the call counter. GPU: the CUDA handlers bitwise against the CPU handlers on the same
 inputs, and captured into a CUDA graph whose replays call no handler."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests import own_kernels_oracle as torch_ref   # the plain-torch specification
+from tests import own_kernels_oracle as torch_emu   # the plain-torch specification
 from jax_dg.core import native
 from jax_dg.reference import topk as ref_topk
 
@@ -123,7 +123,7 @@ def ranges(kind: str, rows: int, cols: int, seed: int):
 def torch_topk(x, lo, hi, *, rows, cols, k, sorted):
     out = torch.empty((rows, k), dtype=torch.int32)
     t = lambda a: None if a is None else torch.from_numpy(np.array(a))   # noqa: E731
-    torch_ref.topk_rows(torch.from_numpy(np.array(x)), t(lo), t(hi), out, cols, sorted)
+    torch_emu.topk_rows(torch.from_numpy(np.array(x)), t(lo), t(hi), out, cols, sorted)
     return out.numpy()
 
 
@@ -157,7 +157,7 @@ def test_topk_matches_the_references_bitwise(shape, case, sorted):
         got = np.asarray(_topk(xj, loj, hij, k=k, cols=cols, sorted=sorted, rows=rows))
         assert got.shape == (rows, k) and got.dtype == np.int32
         want = torch_topk(x, lo, hi, rows=rows, cols=cols, k=k, sorted=sorted)
-        np.testing.assert_array_equal(got, want, err_msg=f"{kind}: != torch reference")
+        np.testing.assert_array_equal(got, want, err_msg=f"{kind}: != torch specification")
         oracle = ref_topk.topk_rows(xj, loj, hij, rows=rows, cols=cols, k=k, sorted=sorted)
         np.testing.assert_array_equal(got, np.asarray(oracle), err_msg=f"{kind}: != JAX oracle")
         # the contract spelled out: candidates only, distinct, -1 only after them
@@ -231,7 +231,7 @@ def test_neg_inf_outside_matches_the_torch_reference_bitwise(dtype, relative, ha
     got = _neg_inf(*args, rows=rows, cols=cols, relative=relative)
     assert got.shape == x.shape and got.dtype == x.dtype
     want = as_torch(x)
-    torch_ref.neg_inf_outside(want, None if lo is None else torch.from_numpy(lo), torch.from_numpy(hi),
+    torch_emu.neg_inf_outside(want, None if lo is None else torch.from_numpy(lo), torch.from_numpy(hi),
                               rows, cols, relative)
     np.testing.assert_array_equal(bits(got), torch_bits(want))
     xb = bits(x)
@@ -263,7 +263,7 @@ def test_zero_masked_tail_matches_the_torch_reference_bitwise(dtype, shape):
     args = put((jnp.asarray(d), jnp.asarray(masked_m)), cpu())
     got = jax.jit(native.zero_masked_tail)(*args)
     want = as_torch(d)
-    torch_ref.zero_masked_tail(want, torch.from_numpy(masked_m))
+    torch_emu.zero_masked_tail(want, torch.from_numpy(masked_m))
     np.testing.assert_array_equal(bits(got), torch_bits(want))
     np.testing.assert_array_equal(bits(args[0]), bits(d))
 
@@ -284,7 +284,7 @@ def test_zero_padding_rows_matches_the_torch_reference_bitwise(skip, dtype, m, n
     args = put((jnp.asarray(d), jnp.asarray(layout)), cpu())
     got = jax.jit(lambda d, l: native.zero_padding_rows(d, l, block=block, skip_padding_blocks=skip))(*args)
     want = as_torch(d)
-    torch_ref.zero_padding_rows(want, torch.from_numpy(layout), block, skip)
+    torch_emu.zero_padding_rows(want, torch.from_numpy(layout), block, skip)
     np.testing.assert_array_equal(bits(got), torch_bits(want))
     np.testing.assert_array_equal(bits(args[0]), bits(d))
 

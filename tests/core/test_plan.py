@@ -15,7 +15,7 @@ from jax_dg.core import dispatch, device
 from jax_dg.core import op as ops
 from jax_dg.core.site import Site, SiteError
 from jax_dg.ops import mqa, topk
-from jax_dg.jit_cache import ffi_eqns
+from jax_dg.tools.warmup import ffi_eqns
 
 FP8 = jnp.float8_e4m3fn
 

@@ -75,9 +75,9 @@ def test_inside_a_larger_jitted_program(keys):
 
 
 def test_backend_exception_becomes_jax_error_and_next_call_works(keys, monkeypatch):
-    from jax_dg.backends import torch_ref
+    from jax_dg.backends import torch_emu
     _, _, a, b = make_inputs(keys, 8, 128, 128)
-    real = torch_ref.fp8_gemm_nt
+    real = torch_emu.fp8_gemm_nt
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -86,7 +86,7 @@ def test_backend_exception_becomes_jax_error_and_next_call_works(keys, monkeypat
             raise RuntimeError("injected kernel failure 1234")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_ref, "fp8_gemm_nt", flaky)
+    monkeypatch.setattr(torch_emu, "fp8_gemm_nt", flaky)
     f = jax.jit(jax_dg.fp8_gemm_nt)
     with pytest.raises(Exception, match="injected kernel failure 1234") as info:
         jax.block_until_ready(f(a, b))
@@ -319,7 +319,7 @@ def test_gpu_fp8_layouts_raise_on_sm90_and_run_the_torch_reference(keys, layout)
     fn = getattr(jax_dg, f"fp8_gemm_{layout}")
     with pytest.raises(jax_dg.UnsupportedArchError, match=f"`fp8_gemm_{layout}` has a DeepGEMM kernel only on sm100"):
         jax.block_until_ready(jax.jit(fn)(a_l, b_l))
-    d = run("torch", fn, a_l, b_l)  # the torch reference through the bridge, on the GPU
+    d = run("torch", fn, a_l, b_l)  # the torch emulation through the bridge, on the GPU
     assert jax_dg.calc_diff(d, run("xla", fn, a_l, b_l)) < 1e-6
     assert jax_dg.calc_diff(d, unquantised(x, w)) < 1e-3
 

@@ -1,6 +1,6 @@
 """Grouped GEMMs (MoE): m-grouped contiguous / masked (FP8, BF16) and k-grouped FP8.
 
-CPU: the bridge path (torch reference) against the pure-JAX reference under jit, with uneven,
+CPU: the bridge path (torch emulation) against the pure-JAX reference under jit, with uneven,
 empty and out-of-order groups, padding rows holding data, masked_m out of range, bad inputs.
 GPU: DeepGEMM's test shapes and thresholds, bitwise equal to deep_gemm called from torch on the
 defined rows, padding rows as jax_dg defines them (0).
@@ -139,9 +139,9 @@ def test_contiguous_with_no_rows(keys):
 
 def test_contiguous_follows_the_mk_alignment(keys, monkeypatch):
     """Layouts padded to another alignment: checked against it while tracing, and the backend's
-    BLOCK_M cap is set to it when the kernel runs (here the torch reference records it)."""
-    from jax_dg import routing as layout_mod
-    from jax_dg.backends import torch_ref
+    BLOCK_M cap is set to it when the kernel runs (here the torch emulation records it)."""
+    from jax_dg.operands import routing as layout_mod
+    from jax_dg.backends import torch_emu
     monkeypatch.setattr(layout_mod, "_dg", lambda name: None)  # jax_dg's value alone
     layout = jnp.asarray(contiguous_layout([70, 0, 20], alignment=64))  # M = 128 + 64
     x = jax.random.normal(keys(), (layout.shape[0], 128), jnp.bfloat16)
@@ -152,14 +152,14 @@ def test_contiguous_follows_the_mk_alignment(keys, monkeypatch):
     try:
         with jax_dg.mk_alignment_scope(64):
             d = jax.block_until_ready(f(x, w, layout))
-            assert torch_ref.get_mk_alignment_for_contiguous_layout() == 64
+            assert torch_emu.get_mk_alignment_for_contiguous_layout() == 64
             ref = run("xla", jax_dg.m_grouped_bf16_gemm_nt_contiguous, x, w, layout)
         assert jax_dg.calc_diff(d, ref) < 1e-6
         assert jax_dg.calc_diff(d, contiguous_expected(x, w, np.asarray(layout))) < 1e-5
         with pytest.raises(jax_dg.ArgumentError, match=re.escape("get_mk_alignment_for_contiguous_layout() = 128")):
             f(x, w, layout)  # traced again outside the scope
     finally:
-        torch_ref.set_mk_alignment_for_contiguous_layout(128)
+        torch_emu.set_mk_alignment_for_contiguous_layout(128)
 
 
 def test_contiguous_call_sets_deep_gemms_alignment_only_when_it_differs():
@@ -517,7 +517,7 @@ def test_zero_padding_rows_reference_contract(skip):
     """The specification of the contiguous cleaning kernel: rows with id < 0 become 0, except,
     with skip, in blocks whose first id is < 0; nothing else is touched."""
     import torch
-    from tests import own_kernels_oracle as torch_ref
+    from tests import own_kernels_oracle as torch_emu
     layout = torch.tensor([0, 0, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1], dtype=torch.int32)
     d = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8) + 1
     want = d.clone()
@@ -525,19 +525,19 @@ def test_zero_padding_rows_reference_contract(skip):
     if skip:
         pad[4:8] = False          # the block [4, 8) starts with padding
     want[pad] = 0
-    torch_ref.zero_padding_rows(d, layout, 4, skip)
+    torch_emu.zero_padding_rows(d, layout, 4, skip)
     assert torch.equal(d, want)
 
 
 def test_zero_masked_tail_reference_contract():
     import torch
-    from tests import own_kernels_oracle as torch_ref
+    from tests import own_kernels_oracle as torch_emu
     d = torch.arange(3 * 4 * 8, dtype=torch.float32).reshape(3, 4, 8) + 1
     masked_m = torch.tensor([0, 3, 4], dtype=torch.int32)
     want = d.clone()
     want[0] = 0
     want[1, 3:] = 0
-    torch_ref.zero_masked_tail(d, masked_m)
+    torch_emu.zero_masked_tail(d, masked_m)
     assert torch.equal(d, want)
 
 

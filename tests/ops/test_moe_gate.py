@@ -273,7 +273,7 @@ def test_gpu_sm90_raises_the_sm100_only_error_and_references_run(keys):
     x, w, kw = make_inputs(keys, 128, 4096, 384)
     with pytest.raises(jax_dg.UnsupportedArchError, match=r"bf16_mega_gate.*only on sm100.*JAX_DG_BACKEND=torch"):
         jax.block_until_ready(run("auto", gate_fn(6), x, w, kw))
-    weights, idx = run("torch", gate_fn(6), x, w, kw)  # the torch reference on CUDA tensors
+    weights, idx = run("torch", gate_fn(6), x, w, kw)  # the torch emulation on CUDA tensors
     ref_weights, ref_idx = run("xla", gate_fn(6), x, w, kw)
     check_routing(x, w, kw, weights, idx, 6, "sqrtsoftplus")
     assert jax_dg.calc_diff(weights, ref_weights) < 1e-9

@@ -53,7 +53,7 @@ def assert_close_on(valid, out, expect):
     assert jax_dg.calc_diff(out[valid], expect[valid]) < 1e-10
 
 
-# --- CPU: bridge (torch reference through the FFI) vs the pure-JAX reference ----------------------
+# --- CPU: bridge (torch emulation through the FFI) vs the pure-JAX reference ----------------------
 
 @pytest.mark.parametrize("h,d", [(32, 64), (64, 128), (32, 128), (64, 64)])
 @pytest.mark.parametrize("compressed", [False, True])
@@ -543,7 +543,7 @@ def test_neg_inf_reference_contract(relative):
     """The specification of jax_dg's -inf kernel: row r keeps [lo, hi) (relative: [0, hi - lo))
     cut to [0, cols); the rest of the [rows, cols] block becomes -inf; nothing else is touched."""
     import torch
-    from tests import own_kernels_oracle as torch_ref
+    from tests import own_kernels_oracle as torch_emu
     lo = torch.tensor([0, 2, -3, 5, 9, 4], dtype=torch.int32)
     hi = torch.tensor([8, 6, 3, 20, 2, 4], dtype=torch.int32)
     d = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10) + 1
@@ -553,5 +553,5 @@ def test_neg_inf_reference_contract(relative):
         for c in range(8):
             if not a <= c < b:
                 want[r, c] = float("-inf")
-    torch_ref.neg_inf_outside(d, lo, hi, 6, 8, relative)
+    torch_emu.neg_inf_outside(d, lo, hi, 6, 8, relative)
     assert torch.equal(d, want)

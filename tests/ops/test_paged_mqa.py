@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg import paged
+from jax_dg.operands import paged
 from jax_dg.core import device
 from jax_dg.ops import paged_mqa as ops
 from tests.conftest import digest, same_bits, to_torch
@@ -168,7 +168,7 @@ def test_clean_logits_false_leaves_the_tail_and_keeps_valid_values():
     raw = run("auto", f(False), q, cache, w, lens, table)
     valid = ~np.isneginf(clean)
     np.testing.assert_array_equal(raw[valid], clean[valid])
-    assert np.isnan(raw[~valid]).any()   # the torch reference leaves NaN where DeepGEMM leaves junk
+    assert np.isnan(raw[~valid]).any()   # the torch emulation leaves NaN where DeepGEMM leaves junk
 
 
 def test_rows_are_cut_to_the_last_rows_length():
@@ -282,7 +282,7 @@ def test_metadata_forms_and_slot_rules():
 
 
 def test_target_and_num_sms_override(monkeypatch):
-    from jax_dg.backends.torch_ref import device as tr
+    from jax_dg.backends.torch_emu import device as tr
     t = device.target()
     assert (t.backend, t.platform, t.arch, t.num_sms) == ("torch", "cpu", "sm90", 132)
     monkeypatch.setattr(tr, "_num_sms", 16)

@@ -1,4 +1,4 @@
-"""The device the torch reference emulates: DeepGEMM's `get_num_sms` / `set_num_sms`.
+"""The device the torch emulation emulates: DeepGEMM's `get_num_sms` / `set_num_sms`.
 
 Its SM count is the CUDA device's when torch sees one, else contracts.DEFAULT_NUM_SMS (an
 H200), unless set: the schedule metadata and the paged logits check it as DeepGEMM does.

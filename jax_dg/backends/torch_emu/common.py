@@ -1,4 +1,4 @@
-"""Dequantisation helpers shared by the torch reference kernels."""
+"""Dequantisation helpers shared by the torch emulation kernels."""
 
 from __future__ import annotations
 

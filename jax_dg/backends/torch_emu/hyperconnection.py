@@ -1,4 +1,4 @@
-"""Torch reference of DeepGEMM's hyper-connection pre-norm GEMM."""
+"""Torch emulation of DeepGEMM's hyper-connection pre-norm GEMM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Torch reference of DeepGEMM's `bf16_mega_gate` (same signature and output convention).
+"""Torch emulation of DeepGEMM's `bf16_mega_gate` (same signature and output convention).
 
 See jax_dg/reference/moe_gate.py for the contract. `force_random` rows draw experts from
 cuRAND inside the kernel: no deterministic reference exists, so they are refused here.
@@ -38,7 +38,7 @@ def bf16_mega_gate(x, weight, num_topk, use_shared_as_routed, num_shared_experts
     if t == 0:
         return topk_idx, topk_weights
     if force_random is not None and bool(force_random.any()):
-        raise NotImplementedError("bf16_mega_gate (torch reference): force_random rows are drawn "
+        raise NotImplementedError("bf16_mega_gate (torch emulation): force_random rows are drawn "
                                   "by cuRAND in DeepGEMM's kernel and have no reference")
     logits = x.float() @ weight.float().T
     scores = _score(logits, scoring_func)

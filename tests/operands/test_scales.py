@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jax_dg
-from jax_dg import scales as layout
+from jax_dg.operands import scales as layout
 from tests.conftest import to_torch
 
 
@@ -42,7 +42,7 @@ def torch_mn_major_storage(sf: torch.Tensor) -> torch.Tensor:
 
 def torch_packed_ue8m0_storage(sf: torch.Tensor) -> torch.Tensor:
     """DeepGEMM's get_mn_major_tma_aligned_packed_ue8m0_tensor_torch_impl; its storage
-    [B, ceil(K'/4), align(MN, 4)] (padding rows zero, as in the torch reference)."""
+    [B, ceil(K'/4), align(MN, 4)] (padding rows zero, as in the torch emulation)."""
     batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
     ue8m0 = (batched.view(torch.int32) >> 23).to(torch.uint8)
     b, mn, k = batched.shape
@@ -109,8 +109,8 @@ def test_packed_ue8m0_under_jit_equals_eager():
 
 
 def test_ceil_to_ue8m0_and_pack_are_quants():
-    assert jax_dg.ceil_to_ue8m0 is jax_dg.quant.ceil_to_ue8m0 is layout.ceil_to_ue8m0
-    assert jax_dg.pack_ue8m0_to_int is jax_dg.quant.pack_ue8m0_to_int
+    assert jax_dg.ceil_to_ue8m0 is jax_dg.operands.quant.ceil_to_ue8m0 is layout.ceil_to_ue8m0
+    assert jax_dg.pack_ue8m0_to_int is jax_dg.operands.quant.pack_ue8m0_to_int
     x = np.array([[0.3, 1.0, 3.0, 1e-30]], np.float32)
     ref_bits = (torch.from_numpy(x).view(torch.int32))
     exp = ((ref_bits >> 23) & 0xFF) + (ref_bits & 0x7FFFFF).bool().int()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import jax_dg
-from jax_dg import capability
+from jax_dg.tools import capability
 from jax_dg.core import device
 
 

@@ -1,4 +1,4 @@
-"""jax_dg.paged: DeepGEMM's paged KV-cache block layout, quantisation, block tables."""
+"""jax_dg.operands.paged: DeepGEMM's paged KV-cache block layout, quantisation, block tables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jax_dg
-from jax_dg import paged
+from jax_dg.operands import paged
 
 
 def kv_cache_cast_to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_pack_unpack_round_trip_and_byte_order():
 @pytest.mark.parametrize("mx_scales,value_dtype", [(False, jnp.float8_e4m3fn), (True, jnp.float8_e4m3fn),
                                                     (True, jnp.int8)])
 def test_unpack_is_bitwise_the_oracles_split(mx_scales, value_dtype):
-    """jax_dg.paged reads the layout itself (no oracle import): the same bytes as
+    """jax_dg.operands.paged reads the layout itself (no oracle import): the same bytes as
     jax_dg.reference.paged_mqa.split_kv_cache, for any byte pattern (NaN bits included)."""
     from jax_dg.reference.paged_mqa import SCALE_BYTES, split_kv_cache
     assert SCALE_BYTES == paged.SCALE_BYTES == jax_dg.contracts.KV_SCALE_BYTES == 4

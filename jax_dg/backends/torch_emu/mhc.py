@@ -1,4 +1,4 @@
-"""Torch reference of DeepGEMM's `mega_mhc` (same signature; writes the caller's outputs).
+"""Torch emulation of DeepGEMM's `mega_mhc` (same signature; writes the caller's outputs).
 
 See jax_dg/reference/mhc.py for the contract. Strided SF outputs are honoured: y_gemm_sf is a
 column-major view, y_shared_sf a view whose storage holds Mega MoE's shared-expert SF pages.

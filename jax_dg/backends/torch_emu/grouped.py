@@ -1,4 +1,4 @@
-"""Torch reference of DeepGEMM's grouped GEMMs (same signatures as deep_gemm's).
+"""Torch emulation of DeepGEMM's grouped GEMMs (same signatures as deep_gemm's).
 
 Rows DeepGEMM leaves unspecified (-1 rows of the contiguous layout, rows past masked_m) are
 written as 0 here, which is one of the values the contract allows.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.common import check_dims, dequant
+from jax_dg.backends.torch_emu.common import check_dims, dequant
 from jax_dg.contracts import LEGACY_MK_ALIGNMENT
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
@@ -109,7 +109,7 @@ def m_grouped_bf16_gemm_nn_contiguous(a, b, d, grouped_layout, compiled_dims="nk
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise RuntimeError(f"Assertion error (torch reference of deep_gemm): {what}")
+        raise RuntimeError(f"Assertion error (torch emulation of deep_gemm): {what}")
 
 
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk") -> None:

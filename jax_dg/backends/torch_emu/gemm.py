@@ -1,8 +1,8 @@
-"""Torch reference of DeepGEMM's GEMM kernels (same signatures as deep_gemm's)."""
+"""Torch emulation of DeepGEMM's GEMM kernels (same signatures as deep_gemm's)."""
 
 from __future__ import annotations
 
-from jax_dg.backends.torch_ref.common import check_dims, dequant
+from jax_dg.backends.torch_emu.common import check_dims, dequant
 
 __all__ = ["fp8_gemm_nt"]
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_dg.contracts import KV_SCALE_BYTES as SCALE_BYTES
 from jax_dg.core.checks import Checker
-from jax_dg.quant import FP8, cast_with_scale, scale_for
+from jax_dg.operands.quant import FP8, cast_with_scale, scale_for
 
 __all__ = [
     "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
@@ -92,7 +92,7 @@ def unpack_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False,
 
 def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., D] -> (float8 [..., D], float32 scales [...]): one scale per row (token),
-    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (jax_dg.quant's formulas)."""
+    bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (jax_dg.operands.quant's formulas)."""
     x = k.astype(jnp.float32)
     sf = scale_for(jnp.abs(x).max(axis=-1, keepdims=True))
     return cast_with_scale(x, sf), sf[..., 0]

@@ -1,10 +1,10 @@
-"""Torch reference of DeepGEMM's einsum kernels (same signatures as deep_gemm's)."""
+"""Torch emulation of DeepGEMM's einsum kernels (same signatures as deep_gemm's)."""
 
 from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.common import dequant
+from jax_dg.backends.torch_emu.common import dequant
 
 __all__ = ["einsum", "fp8_einsum"]
 

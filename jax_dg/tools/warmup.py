@@ -47,7 +47,7 @@ class Variant:
     op: str
     static: dict
     inputs: dict          # argument name -> "dtype[shape]"
-    kind: str             # "deep_gemm" (JIT-compiled), "reference" (the torch reference:
+    kind: str             # "deep_gemm" (JIT-compiled), "reference" (the torch emulation:
                           # nothing to compile); jax_dg's own kernels are built at install
                           # and are not call sites here
     status: str = "pending"   # "compiled", "cached", "skipped" (nothing to compile)
@@ -68,7 +68,7 @@ class Variant:
         if self.status == "cached":
             return f"cache hit ({self.seconds:.2f} s)"
         return {"own": "jax_dg's own kernel, built at install: nothing to compile",
-                "reference": "torch reference: nothing to compile"}.get(self.kind, self.status)
+                "reference": "torch emulation: nothing to compile"}.get(self.kind, self.status)
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ class Report:
             why = " (JAX_DG_BACKEND=xla traces the pure-JAX references)" if self.backend == "xla" else ""
             return f"no kernels to compile: no jax_dg call sites{why}"
         if not any(v.kind == "deep_gemm" for v in self.variants):
-            why = (f"they run the torch reference on {self.platform}" if self.platform != "cuda"
+            why = (f"they run the torch emulation on {self.platform}" if self.platform != "cuda"
                    or self.backend == "torch" else "none uses a DeepGEMM kernel")
             return (f"no kernels to compile: {len(self.variants)} variant(s) at {self.sites} "
                     f"jax_dg call site(s), {why}")
@@ -195,7 +195,7 @@ def _avals(xs) -> tuple:
 
 def _kind(backend: str) -> str:
     """What warm-up does for a bridge call, from its record's backend (resolved at trace time
-    by jax_dg.core.dispatch): "deep_gemm" compiles; the torch reference has nothing to."""
+    by jax_dg.core.dispatch): "deep_gemm" compiles; the torch emulation has nothing to."""
     return "deep_gemm" if backend == "deep_gemm" else "reference"
 
 
@@ -295,7 +295,7 @@ def warmup(fn: Callable, /, *example_args, run_fn: bool = False, progress: str =
     and every other argument (ints, strings, ...) is passed as it is. Warm-up's own options are
     `run_fn` (afterwards run fn once on the example arguments, which must then be arrays: XLA's
     compile of fn itself), `progress` ("auto", "bar", "lines", "off") and `log`; every other
-    keyword goes to fn. On CPU (the torch reference) there is nothing to compile: it says so and
+    keyword goes to fn. On CPU (the torch emulation) there is nothing to compile: it says so and
     lists the call sites.
     """
     if progress not in PROGRESS:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.core.checks import Checker
-from jax_dg.quant import cast_with_scale, scale_for
+from jax_dg.operands.quant import cast_with_scale, scale_for
 
 
 def per_row_cast_to_fp8(x: jax.Array, *, use_ue8m0: bool = False) -> tuple[jax.Array, jax.Array]:

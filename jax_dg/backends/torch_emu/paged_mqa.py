@@ -1,6 +1,6 @@
-"""Torch reference of DeepGEMM's paged MQA-logits kernels (same signatures as deep_gemm 2.5.0).
+"""Torch emulation of DeepGEMM's paged MQA-logits kernels (same signatures as deep_gemm 2.5.0).
 
-It emulates the SM90 contract (with the SM count of torch_ref.device), including what DeepGEMM leaves undefined: logits are returned as a
+It emulates the SM90 contract (with the SM count of torch_emu.device), including what DeepGEMM leaves undefined: logits are returned as a
 view of a [rows, align(max_context_len, 256)] allocation; each request's next_n rows are
 scored up to its *last* row's length, and everything after that is NaN (DeepGEMM leaves
 unwritten memory there). The sparse kernels (SM100-only in DeepGEMM) use jax_dg's own
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.device import get_num_sms, padded_empty
-from jax_dg.backends.torch_ref.mqa import mx_dequant
+from jax_dg.backends.torch_emu.device import get_num_sms, padded_empty
+from jax_dg.backends.torch_emu.mqa import mx_dequant
 from jax_dg.contracts import SPLIT_KV
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
 
 def _expect(ok: bool, condition: str) -> None:
     if not ok:
-        raise RuntimeError(f"Assertion error (jax_dg torch reference of DeepGEMM): {condition}")
+        raise RuntimeError(f"Assertion error (jax_dg torch emulation of DeepGEMM): {condition}")
 
 
 def _prefix_schedule(prefix: torch.Tensor, seg: torch.Tensor, hi: int):

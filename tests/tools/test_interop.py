@@ -1,4 +1,4 @@
-"""jax_dg.interop: zero-copy exchange with torch (CPU here; CUDA streams in the GPU test), and
+"""jax_dg.tools.interop: zero-copy exchange with torch (CPU here; CUDA streams in the GPU test), and
 the error a torch tensor handed to an op raises."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jax_dg
-from jax_dg import interop
+from jax_dg.tools import interop
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.float8_e4m3fn,
@@ -69,11 +69,11 @@ def test_a_torch_tensor_given_to_an_op_names_interop():
     a = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
     sf = torch.ones(64, 2)
     b = jax_dg.per_block_cast_to_fp8(jnp.ones((128, 256), jnp.bfloat16))
-    with pytest.raises(jax_dg.ArgumentError, match=r"`a\[0\]`.*torch tensor.*jax_dg.interop"):
+    with pytest.raises(jax_dg.ArgumentError, match=r"`a\[0\]`.*torch tensor.*jax_dg.tools.interop"):
         jax_dg.fp8_gemm_nt((a, sf), b)
-    with pytest.raises(jax_dg.ArgumentError, match="jax_dg.interop"):
+    with pytest.raises(jax_dg.ArgumentError, match="jax_dg.tools.interop"):
         jax_dg.topk_indices(torch.zeros(4, 8), 2)
-    with pytest.raises(jax_dg.ArgumentError, match="jax_dg.interop"):
+    with pytest.raises(jax_dg.ArgumentError, match="jax_dg.tools.interop"):
         jax_dg.bf16_gemm_nt(torch.zeros(64, 128, dtype=torch.bfloat16), jnp.zeros((64, 128), jnp.bfloat16))
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import device
 from jax_dg.core.checks import Checker
-from jax_dg.quant import ceil_to_ue8m0, pack_ue8m0_to_int
+from jax_dg.operands.quant import ceil_to_ue8m0, pack_ue8m0_to_int
 
 __all__ = [
     "ceil_to_ue8m0", "pack_ue8m0_to_int", "get_tma_aligned_size", "mn_major_logical",
@@ -89,7 +89,7 @@ def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: jax.Array) -> jax.Array:
     sf[i, 4p:4p+4] (little end first; missing ones 0). Logical [.., MN, ceil(K'/4)] =
     mn_major_logical(result, MN).
 
-    Scales must be exact powers of two (UE8M0-cast): like DeepGEMM's torch reference this keeps
+    Scales must be exact powers of two (UE8M0-cast): like DeepGEMM's torch code this keeps
     each exponent byte; DeepGEMM's CUDA kernel would corrupt neighbouring bytes otherwise.
     """
     ck = Checker("get_mn_major_tma_aligned_packed_ue8m0_tensor")

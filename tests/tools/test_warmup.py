@@ -15,10 +15,10 @@ import pytest
 
 import jax_dg
 from jax_dg import __main__ as cli
-from jax_dg import jit_cache
+from jax_dg.tools import warmup
 from tests.test_examples import load
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = ["--seq", "48", "--keys", "320", "--topk", "32"]
 
 
@@ -40,7 +40,7 @@ def test_on_cpu_nothing_compiles_and_the_call_sites_are_listed(example):
     log = io.StringIO()
     report = jax_dg.warmup(example.indexer_step, *shapes(example), topk=32, log=log)
     text = log.getvalue()
-    assert "no kernels to compile" in text and "torch reference on cpu" in text
+    assert "no kernels to compile" in text and "torch emulation on cpu" in text
     assert report.sites == 1 and [v.op for v in report.variants] == ["indexer_topk"]
     v = report.variants[0]
     assert v.kind == "reference" and v.status == "skipped" and v.static["k"] == 32
@@ -82,7 +82,7 @@ def test_call_sites_inside_loops_and_vmap(example):
     report = jax_dg.warmup(scanned, (qv, qs), kv, w, ks, ke, progress="off")
     # jax_dg's own top-k kernel is built at install: not a call site to warm up
     assert [v.op for v in report.variants] == ["fp8_fp4_mqa_logits"]
-    own = jit_cache.ffi_eqns(jax.make_jaxpr(scanned)(*jax.tree.map(
+    own = warmup.ffi_eqns(jax.make_jaxpr(scanned)(*jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), ((qv, qs), kv, w, ks, ke))).jaxpr, own=True)
     assert [str(e.params["target_name"]) for e in own][-1] == "jax_dg_native_topk"
 
@@ -111,8 +111,8 @@ class Terminal(io.StringIO):
 
 def test_progress_a_bar_on_a_terminal_log_lines_otherwise(example, monkeypatch):
     # The bar is drawn before each DeepGEMM variant: take the main job's variant for one (on
-    # CPU its replay runs the torch reference through the bridge).
-    monkeypatch.setattr(jit_cache, "_kind", lambda backend: "deep_gemm")
+    # CPU its replay runs the torch emulation through the bridge).
+    monkeypatch.setattr(warmup, "_kind", lambda backend: "deep_gemm")
     inputs = shapes(example)
 
     def written(log, **kw):
@@ -133,7 +133,7 @@ def test_progress_a_bar_on_a_terminal_log_lines_otherwise(example, monkeypatch):
 
 def test_a_replay_that_adds_no_cache_entry_is_a_cache_hit(example, monkeypatch, tmp_path):
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(jit_cache, "_kind", lambda backend: "deep_gemm")
+    monkeypatch.setattr(warmup, "_kind", lambda backend: "deep_gemm")
     report = jax_dg.warmup(example.indexer_step, *shapes(example), topk=32, progress="off")
     assert report.cache_dir == str(tmp_path)
     assert [v.status for v in report.variants] == ["cached"] and report.variants[0].seconds > 0
@@ -141,13 +141,13 @@ def test_a_replay_that_adds_no_cache_entry_is_a_cache_hit(example, monkeypatch, 
 
 
 def test_cache_entries_are_deep_gemms_kernel_folders(tmp_path):
-    assert jit_cache.cache_entries(str(tmp_path)) == set()
+    assert warmup.cache_entries(str(tmp_path)) == set()
     (tmp_path / "cache" / "kernel.sm90_fp8_mqa_logits.0123abcd").mkdir(parents=True)
     (tmp_path / "tmp").mkdir()   # compiles in flight
-    entries = jit_cache.cache_entries(str(tmp_path))
+    entries = warmup.cache_entries(str(tmp_path))
     assert entries == {"kernel.sm90_fp8_mqa_logits.0123abcd"}
-    assert jit_cache.kernel_name(entries.pop()) == "sm90_fp8_mqa_logits"
-    assert jit_cache.kernel_name("odd") == "odd"
+    assert warmup.kernel_name(entries.pop()) == "sm90_fp8_mqa_logits"
+    assert warmup.kernel_name("odd") == "odd"
 
 
 @pytest.mark.skipif(not on_cpu(), reason="the CPU report")
@@ -156,7 +156,7 @@ def test_cli_warmup_of_the_example(capsys):
     out, err = capsys.readouterr()
     assert out.splitlines() == [
         f"{job}: no kernels to compile: 1 variant(s) at 1 jax_dg call site(s), they run the torch "
-        "reference on cpu" for job in ("indexer step", "indexer step, unsorted", "mqa_logits")]
+        "emulation on cpu" for job in ("indexer step", "indexer step, unsorted", "mqa_logits")]
     assert "== indexer step" in err and "indexer_topk(q: float8_e4m3fn[48,64,128]" in err
     assert cli.main(["warmup", "--json", "--progress", "off", "examples/indexer_topk.py", *SIZES]) == 0
     reports = json.loads(capsys.readouterr().out)
@@ -198,16 +198,16 @@ def _json_from(stdout: str, start: str):
 # must add no cache entry (the warm-up compiled every variant the job launches).
 SECOND_RUN = """
 import json, os, jax, jax_dg
-from jax_dg import jit_cache
+from jax_dg.tools import warmup
 from tests.test_examples import load
 ex = load("indexer_topk")
 reports = [jax_dg.warmup(fn, *args, progress="lines", **kw) for _, fn, args, kw in ex.warmup_jobs([])]
-before = jit_cache.cache_entries(os.environ["DG_JIT_CACHE_DIR"])
+before = warmup.cache_entries(os.environ["DG_JIT_CACHE_DIR"])
 a = ex.parse_args([])
 inputs = ex.make_inputs(jax.random.PRNGKey(0), a.seq, a.keys, a.heads, a.dim)
 for _, fn, _, kw in ex.warmup_jobs([]):
     jax.block_until_ready(jax.jit(lambda *x: fn(*x, **kw))(*inputs))
-after = jit_cache.cache_entries(os.environ["DG_JIT_CACHE_DIR"])
+after = warmup.cache_entries(os.environ["DG_JIT_CACHE_DIR"])
 print(json.dumps({"reports": [r.as_dict() for r in reports], "new": sorted(after - before)}))
 """
 
@@ -223,7 +223,7 @@ def test_gpu_warmup_of_the_main_job_compiles_then_hits_the_cache(tmp_path):
     compiled = [v for v in variants if v["status"] == "compiled"]
     assert compiled and all(v["kernels"] for v in compiled)
     assert {v["status"] for v in variants} <= {"compiled", "cached"}
-    assert len(jit_cache.cache_entries(str(cache))) == sum(len(v["kernels"]) for v in compiled)
+    assert len(warmup.cache_entries(str(cache))) == sum(len(v["kernels"]) for v in compiled)
     assert "compiled" in first.stderr and "DeepGEMM JIT cache: " + str(cache) in first.stderr
 
     second = _json_from(_child(cache, "-c", SECOND_RUN).stdout, '{"reports"')
@@ -258,6 +258,6 @@ def test_gpu_warmup_replays_gemm_grouped_and_paged_sites_then_the_step_compiles_
                            progress="lines", log=log)
     assert len(report.variants) == 3 and {v.kind for v in report.variants} == {"deep_gemm"}, log.getvalue()
     assert {v.status for v in report.variants} <= {"compiled", "cached"}
-    before = jit_cache.cache_entries(report.cache_dir)
+    before = warmup.cache_entries(report.cache_dir)
     jax.block_until_ready(step(*args))
-    assert jit_cache.cache_entries(report.cache_dir) == before
+    assert warmup.cache_entries(report.cache_dir) == before

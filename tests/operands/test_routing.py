@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg import routing as routing_mod
+from jax_dg.operands import routing as routing_mod
 
 
 def routing(seed, t, k, g, *, drop=0.1, skew=True):

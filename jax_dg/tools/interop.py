@@ -33,14 +33,14 @@ _warned: set[str] = set()
 def _note(kind: str, message: str) -> None:
     if kind not in _warned:
         _warned.add(kind)
-        warnings.warn(f"jax_dg.interop: {message}", stacklevel=3)
+        warnings.warn(f"jax_dg.tools.interop: {message}", stacklevel=3)
 
 
 def to_jax(tensor: torch.Tensor) -> jax.Array:
     """The tensor as a jax.Array on the same device, sharing its memory (see the module doc for
     the cases that copy or detach)."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"jax_dg.interop.to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"jax_dg.tools.interop.to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.requires_grad:
         _note("grad", "a tensor that requires grad was detached (gradients do not flow from JAX "
               "back to torch autograd)")
@@ -64,7 +64,7 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     """The array as a torch.Tensor on the same device, sharing its memory. Do not write to it:
     XLA may share or reuse an array's buffer as it sees fit."""
     if not isinstance(array, jax.Array):
-        raise TypeError(f"jax_dg.interop.to_torch: expected a jax.Array, got {type(array).__name__}")
+        raise TypeError(f"jax_dg.tools.interop.to_torch: expected a jax.Array, got {type(array).__name__}")
     try:
         return torch.from_dlpack(array)
     except (TypeError, ValueError, RuntimeError, BufferError):

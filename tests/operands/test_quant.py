@@ -88,11 +88,11 @@ def test_calc_diff():
     assert float(jax.jit(jax_dg.calc_diff)(x, x * 1.01)) == pytest.approx(jax_dg.calc_diff(x, x * 1.01), rel=1e-3)
 
 
-# --- the product's quantisers (jax_dg.quant) against the oracle (jax_dg.reference.quant) -------
+# --- the product's quantisers (jax_dg.operands.quant) against the oracle (jax_dg.reference.quant) -------
 # Two implementations (the product never imports the oracle: tests/test_layering.py), bitwise
 # equal, under jit and eagerly, on the inputs where rounding and clamping decide.
 
-from jax_dg import quant as product  # noqa: E402
+from jax_dg.operands import quant as product  # noqa: E402
 from jax_dg.reference import quant as oracle  # noqa: E402
 
 

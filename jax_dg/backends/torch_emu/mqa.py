@@ -1,4 +1,4 @@
-"""Torch reference of DeepGEMM's non-paged MQA-logits kernels (deep_gemm 2.5.0 signatures).
+"""Torch emulation of DeepGEMM's non-paged MQA-logits kernels (deep_gemm 2.5.0 signatures).
 
 Like DeepGEMM, `fp8_fp4_mqa_logits` allocates and returns a row-padded view (so callers copy
 it out), leaves what DeepGEMM leaves unwritten unwritten (filled with NaN here, so a caller
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_ref.device import padded_empty
+from jax_dg.backends.torch_emu.device import padded_empty
 from jax_dg.contracts import align
 
 __all__ = ["fp8_fp4_mqa_logits", "get_sparse_mqa_logits_metadata",
@@ -22,7 +22,7 @@ _CHUNK_ELEMENTS = 1 << 24
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise RuntimeError(f"Assertion error (torch reference of deep_gemm): {what}")
+        raise RuntimeError(f"Assertion error (torch emulation of deep_gemm): {what}")
 
 
 def weighted_relu_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """FP8 quantisers (DeepGEMM's formulas, bitwise) and the test metric: the product's one
-implementation, which jax_dg.paged, jax_dg.scales, jax_dg.indexer and jax_dg.ops.linear use.
+implementation, which jax_dg.operands.paged, jax_dg.operands.scales, jax_dg.operands.indexer and jax_dg.ops.linear use.
 
 Scale factor sf = max(amax of the block, 1e-4) / 448; with `use_ue8m0` it is rounded up to a
 power of two. Values are x * (1 / sf) cast to float8_e4m3fn. The element-wise formulas are
 jax_dg.numerics (shared with the oracle); the blocking, the UE8M0 packing and the checks are
 this module's. It never imports the pure-JAX reference jax_dg.reference.quant (the test
-oracle): tests/test_quant.py compares the two bitwise, and both with DeepGEMM's torch code.
+oracle): tests/operands/test_quant.py compares the two bitwise, and both with DeepGEMM's torch code.
 """
 
 from __future__ import annotations
