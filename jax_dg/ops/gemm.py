@@ -125,14 +125,20 @@ def _fp8_shapes(storage: str, physical: bool = True):
     return shapes
 
 
+def _fp8_plan(storage: str):
+    def plan(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
+        """Which scales reach DeepGEMM as MN-major views of their physical buffer."""
+        return {"mn_major": _mn_major(storage, recipe)}
+    return plan
+
+
 def _fp8_run(storage: str):
     name = f"fp8_gemm_{storage}"
 
-    def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe, compiled_dims=None):
-        phys_a, phys_b = _mn_major(storage, recipe)
-        if phys_a:
+    def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe, mn_major, compiled_dims=None):
+        if mn_major[0]:
             sfa = rt.mn_major_view(sfa, a.shape[0])
-        if phys_b:
+        if mn_major[1]:
             sfb = rt.mn_major_view(sfb, b.shape[0])
         getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe, **rt.dims(compiled_dims))
     return run
@@ -172,7 +178,7 @@ def _masked_batch(op, a, sfa_logical, b, sfb, size: int, m: int):
 def _fp8_batch(storage: str):
     """vmap of fp8_gemm_nt: a batched `a` with a shared `b` folds into M (one GEMM of B*M rows);
     both batched (per-block recipe) run as one masked grouped GEMM; otherwise sequential."""
-    def shapes(size, batched, inputs, *, out_dtype, recipe, compiled_dims=None):
+    def batch(size, batched, inputs, *, out_dtype, recipe, compiled_dims=None):
         if storage != "nt":
             return None
         a, sfa, b, sfb, c = (inputs[n] if n in inputs else None for n in ("a", "sfa", "b", "sfb", "c"))
@@ -189,7 +195,7 @@ def _fp8_batch(storage: str):
             return _masked_batch(M_GROUPED_FP8_MASKED, bcast(a, batched["a"], size), sfa_l,
                                  bcast(b, batched["b"], size), bcast(sfb, batched["sfb"], size), size, m)
         return None
-    return shapes
+    return batch
 
 
 # Sharding: rows (M) and columns (N) split with no collective; a sharded K gives partial
@@ -212,6 +218,7 @@ FP8_GEMM = {
         name=f"fp8_gemm_{storage}",
         args=("a", "sfa", "b", "sfb", "c"),
         shapes=_fp8_shapes(storage),
+        plan=_fp8_plan(storage),
         run=_fp8_run(storage),
         reference=_fp8_reference(storage),
         symbols=(f"fp8_gemm_{storage}",),
@@ -438,7 +445,7 @@ def _bf16_batch(family: str, storage: str):
     sequential."""
     a_t, _ = _transposed(storage)
 
-    def shapes(size, batched, inputs, *, out_dtype, compiled_dims=None):
+    def batch(size, batched, inputs, *, out_dtype, compiled_dims=None):
         a, b, c = inputs["a"], inputs["b"], inputs.get("c")
         if not batched["b"] and not a_t:
             m = a.shape[1] if batched["a"] else a.shape[0]
@@ -452,7 +459,7 @@ def _bf16_batch(family: str, storage: str):
             a, b = bcast(a, batched["a"], size), bcast(b, batched["b"], size)
             return _masked_batch(M_GROUPED_BF16_MASKED, a, None, b, None, size, a.shape[1])
         return None
-    return shapes
+    return batch
 
 
 def _bf16_sharding(storage: str) -> Sharding:
