@@ -76,9 +76,10 @@ def probe(on: bool) -> None:
     _STAGES = [] if on else None
 
 
-def probe_stages() -> list[tuple[int, int, int, int]]:
-    """(entered the closure, torch's stream set to XLA's, the op's run function returned, left)
-    per CUDA call since probe(True), time.monotonic_ns() nanoseconds."""
+def probe_stages() -> list[tuple[int, int, int, int, int]]:
+    """(entered the closure, torch's stream set to XLA's, the op's run function returned, left;
+    time.monotonic_ns() nanoseconds) and the nanoseconds spent inside DeepGEMM's functions, per
+    CUDA call since probe(True)."""
     return list(_STAGES or ())
 
 
@@ -96,6 +97,8 @@ def _prepare(text: str, platform: str) -> Callable:
     op_name, static, graph = site.op, site.static, site.graph
     op = _OPS[op_name]
     dg = selection.namespace(site.backend, platform, op.symbols)
+    if _STAGES is not None and platform == "cuda":
+        dg = _Timed(dg)
     run_op = op.run
 
     # One flat closure per call site: this runs on every call, keep it lean.
@@ -142,6 +145,27 @@ def _prepare(text: str, platform: str) -> Callable:
     return run_on_xla_stream
 
 
+_DG_TIMES: list = []   # (start, end) of each DeepGEMM call in the probed closure's run
+
+
+class _Timed:
+    """A kernel namespace whose every function call is timed into _DG_TIMES (probe only)."""
+
+    def __init__(self, dg):
+        self._dg = dg
+
+    def __getattr__(self, name: str):
+        fn, now, times = getattr(self._dg, name), time.monotonic_ns, _DG_TIMES
+
+        def call(*args, **kwargs):
+            t = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.append((t, now()))
+        return call
+
+
 def _probed(run, get_device, set_device, get_stream, set_stream) -> Callable:
     """run_on_xla_stream with its stages timed (probe(True) only: never on the hot path)."""
     stages, now = _STAGES, time.monotonic_ns
@@ -154,6 +178,7 @@ def _probed(run, get_device, set_device, get_stream, set_stream) -> Callable:
             set_device(device)
         prev = get_stream(device)
         set_stream(*xla)
+        _DG_TIMES.clear()
         t1 = now()
         try:
             run(ins, outs)
@@ -162,7 +187,8 @@ def _probed(run, get_device, set_device, get_stream, set_stream) -> Callable:
             set_stream(*prev[:3])
             if prev_device != device:
                 set_device(prev_device)
-        stages.append((t0, t1, t2, now()))
+        dg = sum(b - a for a, b in _DG_TIMES)
+        stages.append((t0, t1, t2, now(), dg))
     return run_on_xla_stream
 
 
