@@ -205,3 +205,17 @@ def test_gate_routed_scaling_factor_must_be_a_number(v):
 def test_integer_arrays_are_checked_before_conversion(arg, call, dtype):
     with pytest.raises(jax_dg.ArgumentError, match=f"`{arg}` must have an integer dtype|`{arg}` must hold integer"):
         call(dtype)
+
+
+@pytest.mark.parametrize("fn", ["mqa_logits", "fp8_fp4_mqa_logits", "indexer_topk"])
+@pytest.mark.parametrize("width", [2**31, 2**40])
+def test_a_static_beyond_32_bits_is_named(fn, width):
+    # the kernels take 32-bit ints: a wider static was an unnamed OverflowError (issue 27's fuzz)
+    q = jnp.ones((4, 32, 64), FP8)
+    kv = (jnp.ones((16, 64), FP8), jnp.ones((16,), F32))
+    w, ks = jnp.ones((4, 32), F32), jnp.zeros((4,), jnp.int32)
+    call = {"mqa_logits": lambda: jax_dg.mqa_logits(q, kv, w, ks, ks + 4, max_seqlen_k=width),
+            "fp8_fp4_mqa_logits": lambda: jax_dg.fp8_fp4_mqa_logits(q, kv, w, ks, ks + 4, width),
+            "indexer_topk": lambda: jax_dg.indexer_topk(q, kv, w, ks, ks + 4, 2, max_seqlen_k=width)}[fn]
+    with pytest.raises(jax_dg.ArgumentError, match="`max_seqlen_k` must fit 32 bits"):
+        call()

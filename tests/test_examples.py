@@ -20,3 +20,19 @@ def test_indexer_topk_example(capsys):
     assert example.main(["--seq", "48", "--keys", "320", "--topk", "32", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "top-k agreement 100.00%" in out
+
+
+def test_the_reference_time_is_the_references(monkeypatch):
+    """The example times its pure-JAX reference step outside any use_backend block: what it
+    times must still be the reference (no jax_dg custom call); the jax_dg step runs one."""
+    import jax
+    example = load("indexer_topk")
+    timed = []
+    monkeypatch.setattr(example, "time_ms", lambda fn, *a, **k: timed.append((fn, a)) or 1.0)
+    assert example.main(["--seq", "48", "--keys", "320", "--topk", "32", "--iters", "1"]) == 0
+    (logits_fn, args), (step, _), (unsorted, _), (ref, _) = timed[:4]
+
+    def runs_jax_dg(fn):   # a jax_dg custom call anywhere in what fn traces to, as called
+        return "jax_dg_" in str(jax.make_jaxpr(fn)(*args))
+    assert not runs_jax_dg(ref), "the reference step timed runs a jax_dg custom call"
+    assert runs_jax_dg(step) and runs_jax_dg(logits_fn)

@@ -27,6 +27,9 @@ def is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr")
 
 
+INT32_LIMIT = 1 << 31
+
+
 class Checker:
     """Collects the checks of one op call; `fail` raises ArgumentError("op: `arg` rule, got ...")."""
 
@@ -144,4 +147,6 @@ class Checker:
         v = int(v)
         if minimum is not None:
             self.that(v >= minimum, arg, f"must be >= {minimum}", v)
+        self.that(-INT32_LIMIT <= v < INT32_LIMIT, arg,
+                  "must fit 32 bits (DeepGEMM's and the kernels' int arguments)", v)
         return v

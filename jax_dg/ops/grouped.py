@@ -438,9 +438,9 @@ K_GROUPED_FP8 = Op(
 def _static_ks(ck: Checker, ks) -> list[int]:
     if not isinstance(ks, (list, tuple)):
         ck.fail("ks", "must be a static list of ints", type(ks).__name__)
+    ck.that(all(isinstance(kg, (int, np.integer)) and 0 <= kg < 2 ** 31 for kg in ks), "ks",
+            "must be multiples of 128 in [0, 2**31) (int32 group sizes)", list(ks))
     ks = [ck.static_int(kg, "ks") for kg in ks]
-    ck.that(all(0 <= kg < 2 ** 31 for kg in ks), "ks", "must be multiples of 128 in [0, 2**31) "
-            "(int32 group sizes)", ks)
     return ks
 
 
