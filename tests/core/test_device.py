@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 import jax_dg
 from jax_dg import contracts
 from jax_dg.backends.torch_emu import device as emulated
@@ -30,7 +32,7 @@ def test_arch_per_device():
 
 def test_target_off_the_gpu_emulates_sm90_with_the_references_sm_count():
     if device.platform() != "cpu":
-        return
+        pytest.skip("the CPU target (the GPU's is tested by test_target_on_the_gpu)")
     t = device.target()
     assert (t.backend, t.platform, t.arch) == ("torch", "cpu", contracts.EMULATED_ARCH)
     assert t.num_sms == contracts.DEFAULT_NUM_SMS
@@ -41,3 +43,13 @@ def test_target_off_the_gpu_emulates_sm90_with_the_references_sm_count():
         emulated.set_num_sms(None)
     with jax_dg.use_backend("xla"):
         assert device.target().backend == "xla"
+
+
+@pytest.mark.gpu
+def test_target_on_the_gpu_is_deep_gemm_with_its_sm_count():
+    from jax_dg.backends import deep_gemm
+    t = device.target()
+    assert (t.backend, t.platform) == ("deep_gemm", "cuda")
+    assert t.arch == device.family() and t.num_sms == int(deep_gemm.module().get_num_sms()) > 0
+    with jax_dg.use_backend("torch"):
+        assert device.target().backend == "torch" and device.target().platform == "cuda"

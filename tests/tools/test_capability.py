@@ -78,9 +78,16 @@ def test_should_auto_disable_deep_gemm_table():
 
 def test_real_devices_of_this_process():
     import jax
+    from jax_dg.backends import deep_gemm
     for dev in jax.devices():
         supported = jax_dg.is_deep_gemm_supported(dev)
         if dev.platform != "gpu":
             assert not supported and device.arch(dev) is None
+        else:   # a CUDA device: supported exactly where its family has DeepGEMM and it imports
+            family_ok = device.family(dev) in ("sm90", "sm100")
+            assert supported == (family_ok and deep_gemm.module() is not None), (dev, supported)
+            assert device.arch(dev).startswith("sm")
     assert jax_dg.is_deep_gemm_supported() == jax_dg.is_deep_gemm_supported(0)
     assert isinstance(jax_dg.has_deep_gemm(), bool)
+    if deep_gemm.module() is not None:   # an importable deep_gemm is an installed one
+        assert jax_dg.has_deep_gemm()
