@@ -17,8 +17,9 @@ Layers, top to bottom; a module imports only from its own layer or the layers be
              jax_dg.operands.*: what users make the ops' operands with (quant, scales,
              routing, paged, indexer); jax_dg.tools.*: what works around the ops (warmup,
              exporting, interop between torch and JAX arrays, capability queries)
-  core       jax_dg.core.*: the Op record and its call (op), the call-site record (site), the
-             dispatch resolver (dispatch), the bridge's Python half (bridge), jax_dg's own
+  core       jax_dg.core.*: the Op record and its call (op), its declared statics (statics),
+             the call-site record (site), the dispatch resolver (dispatch), the bridge's
+             Python half (bridge), jax_dg's own
              kernels' custom calls (native), derivatives, sharding, checks and errors, index
              values (values), the device and trace target (device), backend selection
              (backend), torch-side helpers of run functions (runtime), DeepGEMM's allocations

@@ -106,8 +106,16 @@ def torch_segment_bytes(nbytes: int) -> int:
 def lands(rows: int, stride: int, itemsize: int, segmented: bool) -> bool:
     """Whether a padded [rows, stride] allocation is routed into the XLA buffer (decided while
     tracing): always off torch's CUDA allocator, there from LANDING_MIN_BYTES on (smaller
-    ones are copied, see landing_rows)."""
-    return not segmented or rows * stride * itemsize >= LANDING_MIN_BYTES
+    ones are copied, see landing_rows). A symbolic row count (jax.export) is not compared with
+    anything: on CUDA such a buffer is copied."""
+    if not segmented:
+        return True
+    if not isinstance(rows, int):   # a numpy int, or symbolic
+        try:
+            rows = int(rows)
+        except Exception:   # noqa: BLE001  jax's InconclusiveDimensionOperation and kin
+            return False
+    return rows * stride * itemsize >= LANDING_MIN_BYTES
 
 
 def landing_rows(rows: int, stride: int, itemsize: int, segmented: bool) -> int:

@@ -25,6 +25,7 @@ from jax_dg.core import _bridge
 from jax_dg.core import backend as selection
 from jax_dg.core import runtime
 from jax_dg.core.site import Site
+from jax_dg.core.statics import pick
 
 _HANDLERS = _bridge.handlers()
 _GRAPH_HANDLERS = _bridge.graph_handlers()
@@ -94,8 +95,9 @@ def _prepare(text: str, platform: str) -> Callable:
     the record decoded once; what runs at every call is the op's run function and, on CUDA,
     torch's stream and device made XLA's around it."""
     site = Site.decode(text)
-    op_name, static, graph = site.op, site.static, site.graph
+    op_name, graph = site.op, site.graph
     op = _OPS[op_name]
+    static = pick(op.run, site.static)   # the statics and plan the run function names
     dg = selection.namespace(site.backend, platform, op.symbols)
     if _STAGES is not None and platform == "cuda":
         dg = _Timed(dg)
@@ -120,7 +122,9 @@ def _prepare(text: str, platform: str) -> Callable:
     C = torch._C
     get_device, set_device = C._cuda_getDevice, C._cuda_setDevice
     get_stream, set_stream = C._cuda_getCurrentStream, C._cuda_setStream
-    xla = [None, None]   # XLA's last stream (pointer) and its torch (id, device, type)
+    # XLA's streams as torch's (id, device, type), by (pointer, device): a sharded op's devices
+    # share this closure, each on its own XLA thread, so the lookup reads into a local
+    streams: dict = {}
 
     if _STAGES is not None:
         return _probed(run, get_device, set_device, get_stream, set_stream)
@@ -128,13 +132,14 @@ def _prepare(text: str, platform: str) -> Callable:
     def run_on_xla_stream(stream: int, device: int, ins: tuple, outs: tuple) -> None:
         # DeepGEMM launches on torch's current stream: make it XLA's (and the device XLA's)
         # for the call, then give torch its own back.
-        if stream != xla[0]:
-            xla[1], xla[0] = runtime.torch_stream(stream, device), stream
+        xla = streams.get((stream, device))
+        if xla is None:
+            xla = streams.setdefault((stream, device), runtime.torch_stream(stream, device))
         prev_device = get_device()
         if prev_device != device:
             set_device(device)
         prev = get_stream(device)
-        set_stream(*xla[1])
+        set_stream(*xla)
         try:
             run(ins, outs)
         finally:

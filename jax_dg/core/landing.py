@@ -2,9 +2,9 @@
 
 DeepGEMM's logits calls (fp8_fp4_mqa_logits, fp8_fp4_paged_mqa_logits) take no output
 argument: each makes one `torch::empty` of a row- and column-padded buffer and returns a view
-of it. jax_dg declares the custom call's result with that padded layout (the op's `view` slices
-the logical array out of it, fused by XLA into whatever reads it) and makes the allocation land
-in that result:
+of it. jax_dg declares the custom call's result with that padded layout (the op's `finish`
+slices the logical array out of it, fused by XLA into whatever reads it) and makes the
+allocation land in that result where the trace decided it does (contracts.lands):
 
 - CUDA: a fresh torch MemPool per call, backed by the pluggable allocator that ffi/bridge.cc
   exports (JaxDgLandingAlloc / JaxDgLandingFree), routes this thread's allocations for the

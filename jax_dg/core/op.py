@@ -7,8 +7,8 @@
                              #   checks the arguments, raising ArgumentError naming one
         plan=_plan,          # trace time: (*avals, **static) -> {name: value}: what the run
                              #   function needs decided (layouts, landing size); optional
-        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, **static,
-                             #   **plan): the DeepGEMM call, no decision
+        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, statics
+                             #   and plan entries it names): the DeepGEMM call, no decision
         reference=_ref,      # (*arrays, **static) -> outputs in jax.numpy (oracle, backend "xla")
         symbols=("fp8_gemm_nt",),             # DeepGEMM symbols `run` uses
         aliases={"c": 0},                     # input that XLA may donate to result 0
@@ -25,7 +25,8 @@ jax_dg's own kernels (`native`: the lowering to its typed FFI handler, jax_dg.co
 no Python at run time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
 
 A call is checked and shaped once (`Op.bind`), planned once, and carried to the bridge as one
-call-site record (jax_dg.core.site). `finish` composes in XLA what follows the custom call:
+call-site record (jax_dg.core.site); a shard under custom_partitioning is shaped and planned
+for its own shapes. `finish` composes in XLA what follows the custom call:
 the logical view of a padded result, or a native kernel over it (the -inf fill, the top-k).
 Batching, sharding and derivatives see the finished outputs.
 
@@ -46,10 +47,10 @@ from jax_dg import contracts
 from jax_dg.core import bridge, derivative, device, dispatch, native, sharding
 from jax_dg.core.checks import Checker, is_torch_tensor
 from jax_dg.core.site import Site
+from jax_dg.core.statics import REQUIRED, declared, pick  # noqa: F401  (REQUIRED: for records)
 
 
 OPS: dict[str, "Op"] = {}   # every op declared, by name (test-only ops start with "_")
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Op:
@@ -79,6 +80,10 @@ class Op:
     # which are contracted; None: XLA gathers the operands and runs the op whole on each device.
     sharding: Any = None
     finish: Callable[..., Sequence[Any]] | None = None
+    # The op's statics, one record: name -> default (REQUIRED: none). None: the keyword-only
+    # parameters of `shapes`. A call passes only declared names; each record function
+    # receives the ones it names (pick), so adding a static is one edit here plus its uses.
+    statics: Mapping[str, Any] | None = None
     ffi_name: str = dataclasses.field(default="", init=False)   # the bridge's custom-call target
 
     def __post_init__(self):
@@ -87,8 +92,23 @@ class Op:
                             "bridge) and native (jax_dg's own kernel)")
         if self.native is not None and not self.own_kernels:
             raise TypeError(f"Op {self.name}: a native op names its kernel in own_kernels")
+        if self.statics is None:
+            object.__setattr__(self, "statics", declared(self.shapes))
         OPS[self.name] = self
         object.__setattr__(self, "ffi_name", bridge.register_op(self) if self.run else "")
+
+    def complete(self, static: Mapping[str, Any]) -> dict:
+        """The call's statics checked against the declaration, defaults filled in."""
+        if self.statics is None:
+            return dict(static)
+        unknown = sorted(set(static) - set(self.statics))
+        missing = sorted(k for k, d in self.statics.items() if d is REQUIRED and k not in static)
+        if unknown or missing:
+            raise TypeError(f"{self.name}: " + "; ".join(
+                ([f"unknown static(s) {', '.join(unknown)}"] if unknown else [])
+                + ([f"missing static(s) {', '.join(missing)}"] if missing else []))
+                + f" (declared: {', '.join(self.statics)})")
+        return {**{k: d for k, d in self.statics.items() if d is not REQUIRED}, **static}
 
     def bind(self, *arrays: Any, **static: Any) -> "Call":
         """The call checked and shaped (once): inspect `.types`, then call it."""
@@ -97,7 +117,8 @@ class Op:
         for name, a in zip(self.args, arrays):   # before the shape function reads them
             if is_torch_tensor(a):
                 Checker(self.name).array(a, name)
-        return Call(self, arrays, static, tuple(self.shapes(*arrays, **static)))
+        static = self.complete(static)
+        return Call(self, arrays, static, tuple(self.shapes(*arrays, **pick(self.shapes, static))))
 
     def __call__(self, *arrays: Any, **static: Any):
         return self.bind(*arrays, **static)()
@@ -122,15 +143,16 @@ class Call:
         given = [n for n, a in zip(op.args, self.arrays) if a is not None]
         how = dispatch.resolve(op, given, device.target()).check()
         if how.runs == "xla":
-            outs = op.reference(*self.arrays, **static)
+            outs = op.reference(*self.arrays, **pick(op.reference, static))
             return outs if isinstance(outs, tuple) else (outs,)
         plain = self._native() if how.runs == "native" else self._bridged(how, given)
         call = lambda *xs: plain(xs)   # noqa: E731
         if op.sharding is not None:
-            call = sharding.partitioned(op.name, op.sharding, given, static, plain)
+            call = sharding.partitioned(op.name, op.sharding, given,
+                                        pick(op.sharding.layout, static), plain)
         if op.batch is not None or op.sharding is not None:   # custom_partitioning has no vmap
-            call = _with_batching(op, call, given, static)
-        call = (derivative.with_vjp(call, given, op.vjp, static) if op.vjp
+            call = _with_batching(op, call, given, pick(op.batch, static) if op.batch else {})
+        call = (derivative.with_vjp(call, given, op.vjp, pick(op.vjp, static)) if op.vjp
                 else derivative.without_derivative(op.name, call))
         return call(*(a for a in self.arrays if a is not None))
 
@@ -140,13 +162,14 @@ class Call:
 
     def _finish(self, outs, full):
         if self.op.finish is not None:
-            outs = self.op.finish(outs, dict(zip(self.op.args, full)), **self.static)
+            outs = self.op.finish(outs, dict(zip(self.op.args, full)),
+                                  **pick(self.op.finish, self.static))
         return tuple(outs)
 
     def _native(self):
         def plain(xs):
             full = self._full(xs)
-            outs = self.op.native(*full, **self.static)
+            outs = self.op.native(*full, **pick(self.op.native, self.static))
             return self._finish(outs if isinstance(outs, (tuple, list)) else (outs,), full)
         return plain
 
@@ -157,11 +180,12 @@ class Call:
         target = op.ffi_name + (bridge.GRAPH_SUFFIX if how.graph else "")
         traced = _avals(self.arrays)
 
-        def site_of(full, types):
-            plan = op.plan(*full, **static) if op.plan else {}
+        def site_of(full):
+            plan = op.plan(*full, **pick(op.plan, static)) if op.plan else {}
+            assert not plan.keys() & static.keys(), f"{op.name}: a plan entry shadows a static"
             return Site(op.name, how.runs, tuple(a is not None for a in full), how.graph,
-                        {**static, **plan}).encode()
-        here = (self.types, site_of(self.arrays, self.types))
+                        pick(op.run, {**static, **plan})).encode()
+        here = (self.types, site_of(self.arrays))
 
         def plain(xs):
             """The custom call for these arrays' shapes: the traced ones, or a shard's."""
@@ -169,8 +193,8 @@ class Call:
             if _avals(full) == traced:
                 types, site = here
             else:   # a shard (custom_partitioning): its own shapes and plan
-                types = tuple(op.shapes(*full, **static))
-                site = site_of(full, types)
+                types = tuple(op.shapes(*full, **pick(op.shapes, static)))
+                site = site_of(full)
             fn = jax.ffi.ffi_call(target, types, input_output_aliases=aliases,
                                   vmap_method="sequential")   # only where no batching rule applies
             return self._finish(fn(*xs, site=site), full)
@@ -184,16 +208,16 @@ def composed(base: Op, *, name: str, base_static: Callable[..., Mapping[str, Any
     then jax_dg's top-k over the scratch it lands in. `base_static(**static)` maps this op's
     statics to base's (extra keywords, the plan's, pass through)."""
     def shapes(*arrays, **static):
-        return base.shapes(*arrays, **base_static(**static))
+        return base.shapes(*arrays, **pick(base.shapes, base_static(**static)))
 
     def plan(*arrays, **static):
-        return base.plan(*arrays, **base_static(**static))
+        return base.plan(*arrays, **pick(base.plan, base_static(**static)))
 
     def run(dg, *buffers, **static):
-        base.run(dg, *buffers, **base_static(**static))
+        base.run(dg, *buffers, **pick(base.run, base_static(**static)))
     return Op(name=name, args=base.args, shapes=shapes, plan=plan if base.plan else None,
               run=run, symbols=base.symbols, archs=base.archs, arg_archs=base.arg_archs,
-              **fields)
+              statics=declared(base_static), **fields)
 
 
 def targets() -> list[str]:

@@ -8,8 +8,8 @@ caches the prepared closure under the string. It holds every decision made while
     backend   the concrete backend that runs it: "deep_gemm" or "torch" (never "auto")
     present   which of the op's optional arguments were given (absent ones reach run as None)
     graph     whether the call lowered to the command-buffer-compatible target
-    static    the op's static arguments and its plan (Op.plan: layouts, landing size, ...),
-              exactly as the run function receives them (tuples stay tuples)
+    static    the statics and plan entries (Op.plan: layouts, whether the logits land, ...)
+              the op's run function names, as it receives them (tuples stay tuples)
 
 The encoding is versioned: a record written by another jax_dg version (a serialized export, a
 stale cache) fails to decode with a message, never runs with misread fields.

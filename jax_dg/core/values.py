@@ -1,4 +1,4 @@
-"""Index values the shape rules cannot see: sanitised by default, checked on request.
+"""Index values the shape functions cannot see: sanitised by default, checked on request.
 
 Some arguments are data that DeepGEMM uses as addresses (MQA key ranges, paged block tables
 and lengths, grouped-layout ids, masked_m, the gate's fixed routing and expert counts). Their

@@ -2,15 +2,16 @@
 BF16, and the k-grouped FP8 weight-gradient GEMM.
 
 Outputs are fully defined: with `clean=True` (default) the rows DeepGEMM leaves unspecified
-(padding rows of the contiguous layout, rows past masked_m) are set to 0 inside the same custom
-call, by jax_dg's own kernel (kernels/zero_rows.cu) that writes only those rows: no pass over
-the rest of d (the psum layout and the nn form clean with an XLA select).
+(padding rows of the contiguous layout, rows past masked_m) are set to 0 after DeepGEMM's call
+by jax_dg's own kernel (kernels/zero_rows.cu, a native call composed in the op's finish, in
+place) that writes only those rows: no pass over the rest of d (the psum layout and the nn
+form clean with an XLA select).
 `clean=False` skips it and returns DeepGEMM's output as is; where a's padding
 rows are zero (as routing.permute_to_contiguous / _to_masked make them) and only routed rows
 are read back (routing.combine_from_*), that is exact. Index vectors are always brought into
 range (ids outside [-1, G) become -1, masked_m is clipped to [0, Mmax]; jax_dg.core.values).
 
-Under jax.vmap the ops run once per batch element (the Op default, vmap_method="sequential").
+Under jax.vmap the ops run once per batch element (a loop, lax.map: no batching rule).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax_dg.contracts import align, cdiv
 from jax_dg.core import runtime as rt
 from jax_dg.core import device, native, values
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import Op, declared, exposes
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.routing import get_mk_alignment_for_contiguous_layout
 from jax_dg.operands.scales import mn_major_logical, mn_major_physical
@@ -180,6 +181,7 @@ def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, clean, co
 M_GROUPED_BF16_CONTIGUOUS = Op(
     name="m_grouped_bf16_gemm_nt_contiguous",
     args=("a", "b", "grouped_layout"),
+    statics=declared(_bf16_contiguous_shapes),
     shapes=lambda a, b, grouped_layout, **static: _bf16_contiguous_shapes(a, None, b, None, grouped_layout,
                                                                       **static),
     run=_bf16_contiguous_run,
@@ -322,6 +324,7 @@ def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean, compiled_dims=
 M_GROUPED_BF16_MASKED = Op(
     name="m_grouped_bf16_gemm_nt_masked",
     args=("a", "b", "masked_m"),
+    statics=declared(_bf16_masked_shapes),
     shapes=lambda a, b, masked_m, **static: _bf16_masked_shapes(a, None, b, None, masked_m, **static),
     run=_bf16_masked_run,
     reference=lambda a, b, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_masked(
@@ -539,6 +542,7 @@ def _bf16_layout_op(name: str, symbol: str, nn: bool) -> Op:
         name=name + ("" if nn else "_psum"),
         args=("a", "b", "grouped_layout"),
         shapes=lambda a, b, layout, **static: psum_shapes(a, None, b, None, layout, **static),
+        statics=declared(psum_shapes),
         run=_bf16_layout_run(symbol),
         reference=lambda a, b, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
             _layout_reference(a, jnp.swapaxes(b, 1, 2) if nn else b, layout, mk_alignment,
@@ -563,7 +567,7 @@ def _static_psum(ck: Checker, psum, m: int):
         return
     offsets = np.asarray(psum)   # (not `values`: the module of that name is imported here)
     if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
-        return   # the rule names the shape or dtype
+        return   # the shape function names the shape or dtype
     ck.that(bool((offsets >= 0).all() and (offsets <= m).all()), "grouped_layout",
             f"(psum) must hold end rows in [0, M] = [0, {m}]", offsets.tolist())
     ck.that(bool((np.diff(offsets) >= 0).all()), "grouped_layout",

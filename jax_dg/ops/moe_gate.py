@@ -131,7 +131,7 @@ def _sanitise(ck: Checker, weight, fix, unmapped, to_physical_map, logical_count
     routes), and logical_count is clipped to [1, num_duplicates]. In checked mode
     (jax_dg.checked) they raise instead."""
     if not hasattr(weight, "shape") or len(weight.shape) != 2:
-        return fix, unmapped, logical_count     # the rule names what is wrong
+        return fix, unmapped, logical_count     # the shape function names what is wrong
     e = weight.shape[0]
     if fix is not None and unmapped is not None and hasattr(fix, "shape") and \
             fix.shape == unmapped.shape[:1] and jnp.dtype(fix.dtype) == jnp.bool_:

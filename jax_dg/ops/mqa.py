@@ -4,11 +4,12 @@
 
 DeepGEMM (2.5.0, SM90) allocates the logits itself, a buffer with padded rows and columns. The
 custom call's result is declared with that layout and DeepGEMM's allocation lands in it
-(jax_dg.core.landing: no copy). With clean_logits jax_dg's own kernel then writes -inf at the
-invalid positions of the logical [M, N] block, and only there (kernels/neg_inf.cu), so every
-element the op returns is defined in memory; the op's view slices that block out, a slice XLA
-fuses into whatever reads the logits (a returned array costs that one copy; `indexer_topk`
-reads the padded buffer itself and cleans it only where it is copied, below 10 MiB).
+(jax_dg.core.landing: no copy; below 10 MiB on CUDA it is copied). With clean_logits the op's
+finish then runs jax_dg's own kernel, a native call after DeepGEMM's in XLA, in place: -inf at
+the invalid positions of the logical [M, N] block and only there (kernels/neg_inf.cu), so every
+element the op returns is defined; the finish slices that block out, a slice XLA fuses into
+whatever reads the logits (a returned array costs that one copy; `indexer_topk` reads the
+padded buffer itself).
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def mqa_arguments(name: str, q, kv, weights, ks, ke, max_seqlen_k):
     width = 0 if max_seqlen_k is None else ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
     ck.dtype(ks, "cu_seqlen_ks", I32)
     ck.dtype(ke, "cu_seqlen_ke", I32)
-    if ks.shape == ke.shape and ks.ndim == 1 and kvv.ndim == 2:   # else the rule names it
+    if ks.shape == ke.shape and ks.ndim == 1 and kvv.ndim == 2:   # else the shape function names it
         ks, ke = clamp_key_ranges(name, ks, ke, kvv.shape[0])
         if width:
             ke = clamp_row_ends(ks, ke, width)

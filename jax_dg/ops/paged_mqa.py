@@ -12,12 +12,11 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
 - DeepGEMM's padded allocation lands in the custom call's result (jax_dg.core.landing, no
-  copy; buffers under 10 MiB are copied); jax_dg's kernel then writes -inf at positions
-  t >= a row's length (DeepGEMM 2.5.0 leaves real values and unwritten memory there), in
-  place and nowhere else (kernels/neg_inf.cu), and the op's view slices [rows, max_model_len]
-  out. `clean_logits=False` skips the kernel where the buffer lands (those positions are then
-  unspecified); a copied one is cleaned before the copy whatever it says, so that the copy
-  reads only written memory.
+  copy; buffers under 10 MiB are copied); with clean_logits the op's finish then runs jax_dg's
+  kernel (a native call in XLA) that writes -inf at positions t >= a row's length (DeepGEMM
+  2.5.0 leaves real values and unwritten memory there), in place and nowhere else
+  (kernels/neg_inf.cu), and slices [rows, max_model_len] out. `clean_logits=False` skips the
+  kernel (those positions are then unspecified).
 - Block size 32: DeepGEMM reads block-table entries in pairs, so the table is padded to an
   even width and entries past each request's blocks are set to block 0 (a valid id).
 - Values DeepGEMM uses as addresses are brought into range in the jitted program (selects on

@@ -67,8 +67,7 @@ class Variant:
             return f"compiled {len(self.kernels)} kernel(s) in {self.seconds:.2f} s: {names}"
         if self.status == "cached":
             return f"cache hit ({self.seconds:.2f} s)"
-        return {"own": "jax_dg's own kernel, built at install: nothing to compile",
-                "reference": "torch emulation: nothing to compile"}.get(self.kind, self.status)
+        return {"reference": "torch emulation: nothing to compile"}.get(self.kind, self.status)
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ def test_auto_is_deep_gemm_on_cuda_and_torch_on_cpu():
         selection.concrete("deep_gemm", "cpu")
 
 
-def test_the_torch_namespace_is_the_torch_reference():
+def test_the_torch_namespace_is_the_torch_emulation():
     # jax_dg's own kernels are native FFI handlers now: no namespace offers them
     from jax_dg.backends import torch_emu
     ns = selection.namespace("torch", "cpu", ("fp8_fp4_mqa_logits",))

@@ -224,7 +224,7 @@ def neg_inf_case(dtype, rows, cols, er, ec, seed, has_lo, relative):
 @pytest.mark.parametrize("has_lo", [True, False], ids=["lo", "no_lo"])
 @pytest.mark.parametrize("shape", [(1, 1, 0, 0), (17, 100, 0, 0), (17, 100, 5, 28), (40, 777, 3, 1)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_neg_inf_outside_matches_the_torch_reference_bitwise(dtype, relative, has_lo, shape):
+def test_neg_inf_outside_matches_the_torch_specification_bitwise(dtype, relative, has_lo, shape):
     rows, cols, er, ec = shape
     x, lo, hi = neg_inf_case(dtype, rows, cols, er, ec, sum(shape), has_lo, relative)
     args = put((jnp.asarray(x), None if lo is None else jnp.asarray(lo), jnp.asarray(hi)), cpu())
@@ -256,7 +256,7 @@ def filled(shape, dtype, seed, nan=True):
                                          (jnp.bfloat16, (3, 7, 2, 8)), (np.float32, (1, 1, 32)),
                                          (jnp.bfloat16, (4, 0, 8))],
                          ids=["bf16", "f32", "bf16_4d", "f32_one_row", "empty"])
-def test_zero_masked_tail_matches_the_torch_reference_bitwise(dtype, shape):
+def test_zero_masked_tail_matches_the_torch_specification_bitwise(dtype, shape):
     g, max_m = shape[:2]
     d = filled(shape, dtype, g * 31 + max_m)
     masked_m = np.array([-3, 0, max_m // 2, max_m, max_m + 9][:g], np.int32)
@@ -272,7 +272,7 @@ def test_zero_masked_tail_matches_the_torch_reference_bitwise(dtype, shape):
 @pytest.mark.parametrize("dtype,m,n,block", [(jnp.bfloat16, 64, 64, 8), (np.float32, 37, 8, 4),
                                              (jnp.bfloat16, 130, 8, 128), (np.float32, 9, 4, 1)],
                          ids=["bf16", "f32_ragged", "bf16_big_block", "f32_block1"])
-def test_zero_padding_rows_matches_the_torch_reference_bitwise(skip, dtype, m, n, block):
+def test_zero_padding_rows_matches_the_torch_specification_bitwise(skip, dtype, m, n, block):
     rng = np.random.default_rng(m * n + block)
     d = filled((m, n), dtype, m)
     layout = rng.integers(-1, 4, m).astype(np.int32)

@@ -83,7 +83,7 @@ def test_a_gemm_is_shaped_once():
     b = jax_dg.per_block_cast_to_fp8(jax.random.normal(k[1], (128, 256)).astype(jnp.bfloat16))
     gemm = jax_dg.ops.gemm.FP8_GEMM["nt"]
     with counting(gemm, "shapes") as n:
-        jax.jit(jax_dg.fp8_gemm_nt).trace(a, b)
+        jax.jit(lambda a, b: jax_dg.fp8_gemm_nt(a, b)).trace(a, b)   # a fresh function: no cached trace
     assert n == {"shapes": 1}
 
 
@@ -165,3 +165,37 @@ def test_every_target_is_exportable():
             "jax_dg_native_neg_inf_outside"} <= names
     assert len(jax_dg.export_safety_checks()) == len(names)
     np.testing.assert_equal(sorted(names), ops.targets())
+
+
+# --- the statics: one declared record ------------------------------------------------------------
+
+def _scaled_shapes(x, *, scale, offset=0.0):
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+
+
+def _scaled_run(dg, x, out, *, scale):        # names only what it uses
+    out.copy_(x * scale)
+
+
+SCALED = ops.Op(name="_test_scaled", args=("x",), shapes=_scaled_shapes, run=_scaled_run,
+                reference=lambda x, *, scale: (x * scale,),
+                finish=lambda outs, inputs, *, offset: (outs[0] + offset,))
+
+
+def test_a_static_is_declared_once_and_reaches_only_the_functions_that_name_it():
+    # `offset` is declared by the shape function alone and read by `finish` alone: the run
+    # function and the reference never list it
+    assert SCALED.statics == {"scale": ops.REQUIRED, "offset": 0.0}
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(jax.jit(lambda x: SCALED(x, scale=2.0, offset=1.0)[0])(x),
+                                  2 * np.arange(4.0) + 1)
+    np.testing.assert_array_equal(jax.jit(lambda x: SCALED(x, scale=3.0)[0])(x), 3 * np.arange(4.0))
+    with pytest.raises(TypeError, match=r"_test_scaled: unknown static\(s\) shift .*declared: scale, offset"):
+        SCALED(x, scale=1.0, shift=2)
+    with pytest.raises(TypeError, match=r"missing static\(s\) scale"):
+        SCALED(x)
+    # the record carries the declared defaults: one call site whether or not they were passed
+    sites = {Site.decode(str(dict(e.params["attributes"])["site"])).encode()
+             for f in (lambda x: SCALED(x, scale=2.0), lambda x: SCALED(x, scale=2.0, offset=0.0))
+             for e in ffi_eqns(jax.make_jaxpr(f)(x).jaxpr)}
+    assert len(sites) == 1

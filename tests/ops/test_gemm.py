@@ -310,7 +310,7 @@ def test_cublaslt_has_no_deep_gemm_alignment_rules(keys):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nn", "tn", "tt"])
-def test_gpu_fp8_layouts_raise_on_sm90_and_run_the_torch_reference(keys, layout):
+def test_gpu_fp8_layouts_raise_on_sm90_and_run_the_torch_emulation(keys, layout):
     from jax_dg.core.device import family as arch_family
     if arch_family() != "sm90":
         pytest.skip("the clear error is SM90's; SM100 runs these kernels")

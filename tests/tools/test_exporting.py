@@ -52,6 +52,25 @@ def test_symbolic_m_for_the_gemms_and_mqa_logits():
     assert str(exp.out_avals[0].shape) == "(m, 256)"
 
 
+def test_symbolic_m_traced_for_a_gpu_copies_the_logits(monkeypatch):
+    # on CUDA whether a logits allocation lands depends on its size: a symbolic M is not
+    # compared with anything (the buffer is copied), where it once raised while tracing
+    from jax_dg.core import native
+    from jax_dg.core.site import Site
+    from jax_dg.tools.warmup import ffi_eqns
+    from tests.conftest import trace_for_gpu
+    trace_for_gpu(monkeypatch, "sm90")
+    monkeypatch.setattr(native, "cuda_built", lambda: True)
+    m, = export.symbolic_shape("m")
+    q = jax.ShapeDtypeStruct((m, 32, 64), FP8)
+    kv = (jax.ShapeDtypeStruct((4096, 64), FP8), jax.ShapeDtypeStruct((4096,), jnp.float32))
+    w, ks = jax.ShapeDtypeStruct((m, 32), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)
+    for f in (lambda *a: jax_dg.mqa_logits(*a), lambda *a: jax_dg.indexer_topk(*a, 64)):
+        jaxpr = jax.make_jaxpr(f)(q, kv, w, ks, ks)
+        (site,) = [Site.decode(str(dict(e.params["attributes"])["site"])) for e in ffi_eqns(jaxpr.jaxpr)]
+        assert site.static["lands"] is False and site.backend == "deep_gemm"
+
+
 def test_round_trip_in_a_fresh_process(tmp_path, keys):
     m, = export.symbolic_shape("m")
     a_spec, b_spec = specs(m)
