@@ -131,6 +131,10 @@ def landing_rows(rows: int, stride: int, itemsize: int, segmented: bool) -> int:
 # --- paged MQA logits -------------------------------------------------------------------------
 
 SPLIT_KV = 256             # tokens per schedule split (SM90 paged kernel)
+# Context lengths the paged schedule counts with, at most: the schedule sums every request's
+# splits in int32 (DeepGEMM's kernel and the pure-JAX reference), which lengths near 2**31
+# overflow; 2**24 tokens keeps the sum exact for up to 2**15 requests of that length.
+MAX_CONTEXT_LEN = 1 << 24
 MX_HEAD_DIM = 128          # MX scales: four UE8M0 bytes (one int32) per row, one per 32 elements
 # The paged FP8 key cache, uint8 [num_blocks, block_size, 1, D + KV_SCALE_BYTES]: each block
 # holds its block_size D-byte rows (token-major), then their block_size scales of

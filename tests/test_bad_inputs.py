@@ -219,3 +219,19 @@ def test_a_static_beyond_32_bits_is_named(fn, width):
             "indexer_topk": lambda: jax_dg.indexer_topk(q, kv, w, ks, ks + 4, 2, max_seqlen_k=width)}[fn]
     with pytest.raises(jax_dg.ArgumentError, match="`max_seqlen_k` must fit 32 bits"):
         call()
+
+
+def test_the_paged_schedule_references_agree_at_int32_max_lengths():
+    # issue 27's fuzz: lengths near 2**31 overflowed the pure-JAX schedule's int32 sums while
+    # the torch emulation's int64 ones did not; both now count lengths up to MAX_CONTEXT_LEN
+    from jax_dg import contracts
+    lens = jnp.full((266, 1), 2**31 - 1, jnp.int32).at[::7].set(5)
+    f = jax.jit(lambda l: jax_dg.get_paged_mqa_logits_metadata(l, 64, 132))
+    with jax_dg.use_backend("torch"):
+        torch_meta = np.asarray(f(lens))
+    with jax_dg.use_backend("xla"):
+        xla_meta = np.asarray(f(lens))
+        capped = np.asarray(f(jnp.minimum(lens, contracts.MAX_CONTEXT_LEN)))
+    np.testing.assert_array_equal(torch_meta, xla_meta)
+    np.testing.assert_array_equal(xla_meta, capped)
+    assert (np.diff(xla_meta[:-1, 0]) >= 0).all() and xla_meta[-1, 0] == 266   # a real schedule

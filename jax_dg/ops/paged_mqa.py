@@ -149,7 +149,8 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     """Schedule metadata for paged MQA logits: int32 [slots + 1, 2].
 
     context_lens: int32 [B, next_n] (only the last column counts) or [B] (then `next_n`, default 1,
-        says how many query rows each request has).
+        says how many query rows each request has). Lengths are counted in [0, 2**24]
+        (contracts.MAX_CONTEXT_LEN): beyond, an int32 sum of every request's splits overflows.
     block_size: the KV cache's block size in tokens (32 or 64 on SM90).
     num_sms: SMs to schedule for; default: the target device's (jax_dg.core.device.target()),
         which is what the logits kernel checks the metadata against. slots = num_sms, halved on SM90 for
@@ -173,7 +174,9 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     ck.that(block_size in sizes, "block_size", f"must be one of {sizes} on {t.arch}", block_size)
     num_sms = t.num_sms if num_sms is None else ck.static_int(num_sms, "num_sms", 1)
     lens = context_lens if context_lens.ndim == 2 else context_lens[:, None]
-    lens = jnp.maximum(lens, 0)
+    # negative lengths count as 0; lengths past MAX_CONTEXT_LEN as that (an int32 sum of every
+    # request's splits overflows near 2**31: DeepGEMM's and the references' would disagree)
+    lens = jnp.clip(lens, 0, contracts.MAX_CONTEXT_LEN)
     if indices is not None:
         _check_indices(ck, indices, context_lens.shape[0], next_n)
     slots = contracts.schedule_slots(num_sms, next_n, t.arch, varlen=indices is not None)
