@@ -64,7 +64,7 @@ export XLA_PYTHON_CLIENT_ALLOCATOR=platform
 # tests' sentinel-filled outputs cover those. A kernel filter cannot set such reports aside:
 # initcheck then stops tracking the excluded kernels' writes too, and reports every later read
 # of them (`SAN_ARGS="--kernel-name kns=..." scripts/sanitize.sh probe` measured it: its XLA
-# control step went from 0 to 64 reports). The README's testing section has what was measured.
+# control step went from 0 to 64 reports). docs/testing.md has what was measured.
 INITCHECK_VALUES="indexer_topk mqa_compressed mqa_full paged_block_tables paged_block_tables_32
   paged_indexer_topk paged_schedule topk_indices"
 INITCHECK="tests/test_defined_outputs.py"
@@ -76,7 +76,7 @@ done
 MEMCHECK_PATHS="tests --ignore=tests/core/test_capture.py --ignore=tests/test_threads.py"
 # The threads test deadlocks under the sanitizer's host backtraces: to record one at a kernel
 # launch it takes the GIL inside the driver (XLA's cuLaunchKernelEx), while jax_dg's handler on
-# another thread holds the GIL in a driver call of DeepGEMM's (cuda-gdb stacks, README).
+# another thread holds the GIL in a driver call of DeepGEMM's (cuda-gdb stacks, docs/testing.md).
 THREADS_ARGS="--show-backtrace device"
 
 mode=${1:-memcheck}

@@ -3,7 +3,7 @@ kernel before anything reads it. This file is compute-sanitizer initcheck's targ
 (scripts/sanitize.sh initcheck): each case runs the op in jit on random data and then reads
 every element of its results in one XLA reduction, so an element no kernel wrote is reported
 there, and a read of unwritten memory inside the op is reported in the op's own kernels. No
-oracle runs here (torch.topk, for one, reports its own workspace: README, Tests); the values
+oracle runs here (torch.topk, for one, reports its own workspace: docs/testing.md); the values
 are checked against DeepGEMM and the references in tests/ops/. Without the sanitizer each case
 checks what it can see: two calls bitwise equal, no NaN, -inf exactly at the invalid positions.
 
@@ -108,7 +108,7 @@ def test_gpu_every_returned_element_is_written(keys, case):
     again = [tuple(int(v) for v in read_all(x)) for x in jax.tree.leaves(f())]
     if UNDER_SANITIZER and first != again:
         # under initcheck DeepGEMM's logits kernels are not repeatable, called from torch too
-        # (README, Tests); plain runs assert it
+        # (docs/testing.md); plain runs assert it
         warnings.warn(f"{case}: two calls differ under the sanitizer", stacklevel=1)
     else:
         assert first == again, f"{case}: two calls differ"

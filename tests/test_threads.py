@@ -3,7 +3,7 @@ give results bitwise equal to a single-threaded run, and finish (a deadlock betw
 XLA's threads and torch's stream state fails the test by its timeout instead of hanging it).
 On the CPU through the torch emulation; on the GPU through DeepGEMM and jax_dg's top-k kernel.
 Under compute-sanitizer run it with `scripts/sanitize.sh threads`: the sanitizer's host
-backtraces take the GIL inside CUDA launches and deadlock it (README, Tests)."""
+backtraces take the GIL inside CUDA launches and deadlock it (docs/testing.md)."""
 
 from __future__ import annotations
 
