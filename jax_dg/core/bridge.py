@@ -116,6 +116,8 @@ def _prepare(text: str, platform: str) -> Callable:
 
     if graph:
         run = runtime.capture_guard(op_name, platform, run)
+    if _STAGES is not None and platform == "cuda":
+        run = _timed_run(run)
     if platform != "cuda":
         return lambda stream, device, ins, outs: run(ins, outs)
 
@@ -125,9 +127,6 @@ def _prepare(text: str, platform: str) -> Callable:
     # XLA's streams as torch's (id, device, type), by (pointer, device): a sharded op's devices
     # share this closure, each on its own XLA thread, so the lookup reads into a local
     streams: dict = {}
-
-    if _STAGES is not None:
-        return _probed(run, get_device, set_device, get_stream, set_stream)
 
     def run_on_xla_stream(stream: int, device: int, ins: tuple, outs: tuple) -> None:
         # DeepGEMM launches on torch's current stream: make it XLA's (and the device XLA's)
@@ -147,7 +146,7 @@ def _prepare(text: str, platform: str) -> Callable:
             if prev_device != device:
                 set_device(prev_device)
 
-    return run_on_xla_stream
+    return _timed_closure(run_on_xla_stream) if _STAGES is not None else run_on_xla_stream
 
 
 _DG_TIMES: list = []   # (start, end) of each DeepGEMM call in the probed closure's run
@@ -171,30 +170,32 @@ class _Timed:
         return call
 
 
-def _probed(run, get_device, set_device, get_stream, set_stream) -> Callable:
-    """run_on_xla_stream with its stages timed (probe(True) only: never on the hot path)."""
+_RUN_TIMES: list = []   # (run entered, run returned) of the probed call in flight
+
+
+def _timed_run(run) -> Callable:
+    """The closure's run with its start and end recorded (probe(True) only)."""
+    now = time.monotonic_ns
+
+    def timed(ins: tuple, outs: tuple) -> None:
+        _DG_TIMES.clear()
+        _RUN_TIMES[:] = [now()]
+        run(ins, outs)
+        _RUN_TIMES.append(now())
+    return timed
+
+
+def _timed_closure(closure) -> Callable:
+    """The production closure, its stages recorded around it (probe(True) only): entered,
+    torch's stream set (= run entered), run returned, left; and the time inside DeepGEMM."""
     stages, now = _STAGES, time.monotonic_ns
 
-    def run_on_xla_stream(stream: int, device: int, ins: tuple, outs: tuple) -> None:
+    def timed(stream: int, device: int, ins: tuple, outs: tuple) -> None:
         t0 = now()
-        xla = runtime.torch_stream(stream, device)
-        prev_device = get_device()
-        if prev_device != device:
-            set_device(device)
-        prev = get_stream(device)
-        set_stream(*xla)
-        _DG_TIMES.clear()
-        t1 = now()
-        try:
-            run(ins, outs)
-            t2 = now()
-        finally:
-            set_stream(*prev[:3])
-            if prev_device != device:
-                set_device(prev_device)
-        dg = sum(b - a for a, b in _DG_TIMES)
-        stages.append((t0, t1, t2, now(), dg))
-    return run_on_xla_stream
+        closure(stream, device, ins, outs)
+        t1, t2 = _RUN_TIMES
+        stages.append((t0, t1, t2, now(), sum(b - a for a, b in _DG_TIMES)))
+    return timed
 
 
 def clear_caches() -> None:

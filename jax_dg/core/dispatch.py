@@ -56,6 +56,7 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
             f"jax_dg: `{op.name}` runs jax_dg's own CUDA kernel(s) {', '.join(op.own_kernels)}, "
             "which were not built (no CUDA toolkit when jax_dg was installed): reinstall jax_dg "
             f"where nvcc is found, or trace with {selection.ENV}=xla."))
+    mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
     if op.native is not None:
         where = "CUDA" if t.platform == "cuda" else f"its C++ twin on {t.platform}"
         return Dispatch("native", f"jax_dg's own kernel {', '.join(op.own_kernels)} ({where})",
@@ -63,7 +64,6 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
     if t.backend == "torch":
         why = ("torch emulation through the bridge" +
                (f" ({selection.ENV}=torch)" if requested == "torch" else f" ({t.platform}: no CUDA device)"))
-        mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
         return Dispatch("torch", why + mine, graph="torch" in op.graph_safe)
     if t.platform != "cuda":
         return Dispatch("raises", "DeepGEMM needs a CUDA device", error=RuntimeError(
@@ -87,5 +87,4 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
                         f"{selection.ENV}=torch or xla runs the reference",
                         error=deep_gemm.missing_error(missing[0]))
     names = ", ".join(getattr(deep_gemm.lookup(s), "__name__", s) for s in op.symbols)
-    mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
     return Dispatch("deep_gemm", f"DeepGEMM: {names}{mine}", graph=t.arch in op.graph_safe)

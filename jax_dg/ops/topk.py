@@ -129,9 +129,12 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
         idx = jnp.full((logits.shape[0], k), -1, I32)
     else:
         (idx,) = call()
-    if offsets is not None:
-        idx = jnp.where(idx >= 0, idx + offsets[:, None], -1)
-    return idx
+    return idx if offsets is None else _offset(idx, offsets)
+
+
+def _offset(idx, offsets):
+    """Selected columns plus a per-row offset (compressed logits: key = ks + column); -1 stays."""
+    return jnp.where(idx >= 0, idx + offsets[:, None], -1)
 
 
 # --- the indexer step: MQA logits and top-k, composed ---------------------------------------
@@ -159,16 +162,14 @@ def _indexer_finish(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
     # compressed: column t is key ks + t, written for t < lens
     idx = native.topk(scratch, None, mqa.compressed_lens(ks, ke, n), k=k, cols=max_seqlen_k,
                       sorted=sorted, rows=m)
-    return (jnp.where(idx >= 0, idx + ks[:, None], -1),)
+    return (_offset(idx, ks),)
 
 
 def _indexer_reference(q, kv, kv_sf, weights, ks, ke, *, k, sorted, max_seqlen_k, stride_align):
     logits = ref_mqa.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
     idx = ref.topk_rows(logits, None, None, rows=logits.shape[0], cols=logits.shape[1], k=k,
                         sorted=sorted)
-    if max_seqlen_k:
-        idx = jnp.where(idx >= 0, idx + ks[:, None], -1)
-    return (idx,)
+    return (_offset(idx, ks) if max_seqlen_k else idx,)
 
 
 def _indexer_batch(size, batched, inputs, *, k, sorted, max_seqlen_k, stride_align):
