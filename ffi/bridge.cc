@@ -190,7 +190,11 @@ ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_vie
     fn(reinterpret_cast<uintptr_t>(stream), device, ins, outs);
     if (probe) t[4] = NowNs();
   } catch (nb::python_error& e) {
-    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+    // Type and message only: the closure names the op; Python's traceback (the caller's frames
+    // down to XLA's dispatch) would bury that text in the JAX error.
+    std::string text = std::string(nb::str(e.type().attr("__name__")).c_str()) + ": " +
+                       nb::str(e.value()).c_str();
+    return ffi::Error(ffi::ErrorCode::kInternal, text);
   } catch (std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());
   }

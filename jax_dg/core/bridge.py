@@ -114,6 +114,7 @@ def _prepare(text: str, platform: str) -> Callable:
         def run(ins: tuple, outs: tuple) -> None:
             run_op(dg, *ins, *outs, **static)
 
+    run = runtime.named_errors(op_name, run)
     if graph:
         run = runtime.capture_guard(op_name, platform, run)
     if _STAGES is not None and platform == "cuda":

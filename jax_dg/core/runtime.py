@@ -88,6 +88,24 @@ def capture_guard(op_name: str, platform: str, run):
     return guarded
 
 
+def named_errors(op_name: str, run):
+    """`run` whose exceptions name the op (they reach the user as XLA's error text). torch
+    running out of memory inside DeepGEMM gets the advice that fixes it: XLA preallocates 75% of
+    the GPU by default, and DeepGEMM's allocations go through torch's allocator beside it."""
+    def named(ins, outs):
+        try:
+            run(ins, outs)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(
+                f"jax_dg.{op_name}: out of GPU memory inside the call (DeepGEMM allocates through "
+                "torch's caching allocator, beside XLA's preallocated pool). Leave torch room: set "
+                "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.5) or XLA_PYTHON_CLIENT_PREALLOCATE="
+                f"false before jax starts. torch said: {str(e).splitlines()[0]}") from None
+        except Exception as e:
+            raise RuntimeError(f"jax_dg.{op_name}: {type(e).__name__}: {e}") from e
+    return named
+
+
 # --- scales as DeepGEMM wants them: MN-major, TMA-aligned views of XLA buffers --------------
 
 _MN_MAJOR: dict = {}
