@@ -7,7 +7,10 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "jax_dg"
+import jax_dg
+
+# The imported package's sources: the repository's, or an installed wheel's (scripts/test_versions.sh).
+ROOT = pathlib.Path(jax_dg.__file__).resolve().parent
 
 # The ops layer's folders: the op records, what users build operands with, the tools around.
 OPS_FOLDERS = ("ops", "operands", "tools")
