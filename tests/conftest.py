@@ -138,12 +138,13 @@ def device_copies(*arrays):
 
 
 def trace_for_gpu(monkeypatch, arch: str) -> None:
-    """Traces as for a CUDA device of `arch` with a DeepGEMM that has every kernel (lowering
-    only: nothing may run), under the backend asked for. jax_dg resolves the DeepGEMM symbols
-    while tracing."""
+    """Traces as for a CUDA device of `arch` with a DeepGEMM that has every kernel and jax_dg's
+    own CUDA kernels built (lowering only: nothing may run; the same on a machine without a
+    CUDA toolkit), under the backend asked for. jax_dg resolves the DeepGEMM symbols while
+    tracing."""
     from jax_dg.backends import deep_gemm
     from jax_dg.core import backend as selection
-    from jax_dg.core import device
+    from jax_dg.core import device, native
 
     def lookup(name):
         def kernel(*args, **kwargs):
@@ -155,5 +156,6 @@ def trace_for_gpu(monkeypatch, arch: str) -> None:
         backend = "xla" if requested == "xla" else selection.concrete(requested, "cuda")
         return device.Target(backend, "cuda", arch, 132)
     monkeypatch.setattr(device, "target", target)
+    monkeypatch.setattr(native, "cuda_built", lambda: True)
     monkeypatch.setattr(deep_gemm, "module", lambda: object())
     monkeypatch.setattr(deep_gemm, "lookup", lookup)

@@ -48,7 +48,9 @@ def test_jax_dgs_own_kernels_are_not_looked_for_in_deep_gemm(monkeypatch):
     # the logits ops declare jax_dg's -inf kernel next to DeepGEMM's: a DeepGEMM that has the
     # logits kernel runs them natively
     from jax_dg.backends import deep_gemm
+    from jax_dg.core import native
     ops = OPS
+    monkeypatch.setattr(native, "cuda_built", lambda: True)   # as on a GPU install
     monkeypatch.setattr(deep_gemm, "module", lambda: object())
     monkeypatch.setattr(deep_gemm, "lookup", lambda name: (lambda: None) if name == "fp8_fp4_mqa_logits" else None)
     mode, how = cli.op_status(ops["fp8_fp4_mqa_logits"], "gpu", "sm90", "auto")
@@ -57,7 +59,9 @@ def test_jax_dgs_own_kernels_are_not_looked_for_in_deep_gemm(monkeypatch):
     assert mode == "native" and how.startswith("jax_dg's own kernel topk (CUDA)")
 
 
-def test_a_function_runs_as_its_least_capable_op():
+def test_a_function_runs_as_its_least_capable_op(monkeypatch):
+    from jax_dg.core import native
+    monkeypatch.setattr(native, "cuda_built", lambda: True)   # as on a GPU install
     mode, how, names = cli.function_status(jax_dg.paged_mqa_logits, "gpu", "sm100", "torch")
     assert mode == "reference" and set(names) == {"fp8_fp4_paged_mqa_logits",
                                                   "get_paged_mqa_logits_metadata"}

@@ -49,13 +49,21 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
     """How a call of `op` with the `given` arguments, traced for `t`, runs (see the module doc).
     `requested` is the backend asked for (default: the active one)."""
     requested = selection.requested() if requested is None else requested
-    if requested == "xla":
-        return Dispatch("xla", f"pure-JAX reference ({selection.ENV}=xla)")
-    if t.platform == "cuda" and op.own_kernels and not native.cuda_built():
+    how = _resolve(op, given, t, requested)
+    # Checked last: a call that cannot run for another reason (the architecture, deep_gemm
+    # missing) says that reason, which holds with the kernels built too.
+    if how.runs != "raises" and how.runs != "xla" and t.platform == "cuda" and op.own_kernels \
+            and not native.cuda_built():
         return Dispatch("raises", "jax_dg's CUDA kernels were not built", error=RuntimeError(
             f"jax_dg: `{op.name}` runs jax_dg's own CUDA kernel(s) {', '.join(op.own_kernels)}, "
             "which were not built (no CUDA toolkit when jax_dg was installed): reinstall jax_dg "
             f"where nvcc is found, or trace with {selection.ENV}=xla."))
+    return how
+
+
+def _resolve(op, given: Sequence[str], t: Target, requested: str) -> Dispatch:
+    if requested == "xla":
+        return Dispatch("xla", f"pure-JAX reference ({selection.ENV}=xla)")
     mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
     if op.native is not None:
         where = "CUDA" if t.platform == "cuda" else f"its C++ twin on {t.platform}"

@@ -199,3 +199,18 @@ def test_a_static_is_declared_once_and_reaches_only_the_functions_that_name_it()
              for f in (lambda x: SCALED(x, scale=2.0), lambda x: SCALED(x, scale=2.0, offset=0.0))
              for e in ffi_eqns(jax.make_jaxpr(f)(x).jaxpr)}
     assert len(sites) == 1
+
+
+def test_without_jax_dgs_cuda_kernels_a_gpu_call_says_why_after_the_other_reasons(monkeypatch):
+    from jax_dg.backends import deep_gemm
+    from jax_dg.core import native
+    monkeypatch.setattr(native, "cuda_built", lambda: False)      # installed without nvcc
+    monkeypatch.setattr(deep_gemm, "module", lambda: object())
+    monkeypatch.setattr(deep_gemm, "lookup", lambda name: (lambda: None))
+    sm90 = device.Target("deep_gemm", "cuda", "sm90", 132)
+    for op in (mqa.FP8_MQA_LOGITS, topk.TOPK):
+        how = dispatch.resolve(op, (), sm90, requested="auto")
+        assert how.runs == "raises" and "were not built" in str(how.error)
+    how = dispatch.resolve(mqa.FP8_MQA_LOGITS, (), device.Target("deep_gemm", "cuda", "sm80", 108), "auto")
+    assert isinstance(how.error, jax_dg.UnsupportedArchError)   # the reason that holds built too
+    assert dispatch.resolve(mqa.FP8_MQA_LOGITS, (), sm90, requested="xla").runs == "xla"
