@@ -12,6 +12,8 @@ own kernels run as typed FFI handlers (ffi/native.cc): no Python, capturable in 
 Layers, top to bottom; a module imports only from its own layer or the layers below it
 (tests/test_layering.py enforces it, and that there is no import cycle):
 
+  nn         jax_dg.nn.*: Flax NNX layers on the ops (the optional `flax` extra: nothing
+             imports it, and `import jax_dg` does not)
   public     jax_dg (this file), jax_dg.__main__ (`python -m jax_dg info | warmup`)
   ops        jax_dg.ops.*: one Op declaration per kernel family, and their public functions;
              jax_dg.operands.*: what users make the ops' operands with (quant, scales,

@@ -23,11 +23,12 @@ MAY_IMPORT = {
     "core": {"contracts", "numerics", "backends", "core"},
     "ops": {"contracts", "numerics", "backends", "reference", "core", "ops"},
     "public": {"contracts", "numerics", "backends", "reference", "core", "ops", "public"},
+    "nn": {"contracts", "numerics", "core", "ops", "nn"},   # never the oracle, never the package root
 }
 # The product's own code: the user helpers and the composed layers. They never import
 # jax_dg.reference (what they compute is tested against it, so it must not be it). The ops'
 # declarations do import it: an Op record's `reference=` is the oracle and the "xla" backend.
-PRODUCT_FOLDERS = ("operands", "tools")
+PRODUCT_FOLDERS = ("operands", "tools", "nn")
 PRODUCT_MODULES = {"jax_dg.ops.linear"}
 LEAVES = {"jax_dg.backends.deep_gemm"}   # import nothing of jax_dg
 
@@ -39,6 +40,8 @@ def layer(module: str) -> str:
         return "contracts"
     if module == "jax_dg.numerics":
         return "numerics"
+    if module == "jax_dg.nn" or module.startswith("jax_dg.nn."):
+        return "nn"
     if any(module == f"jax_dg.{f}" or module.startswith(f"jax_dg.{f}.") for f in OPS_FOLDERS):
         return "ops"
     for name in ("backends", "reference", "core"):
@@ -150,7 +153,7 @@ def test_the_layout_shows_the_layers():
     root = sorted(p.stem for p in ROOT.glob("*.py"))
     assert root == ["__init__", "__main__", "contracts", "numerics"]
     folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("_"))
-    assert folders == ["backends", "core", "operands", "ops", "reference", "tools"]
+    assert folders == ["backends", "core", "nn", "operands", "ops", "reference", "tools"]
 
 
 def test_no_import_cycle():

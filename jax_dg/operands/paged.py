@@ -30,7 +30,8 @@ from jax_dg.operands.quant import FP8, cast_with_scale, scale_for
 
 __all__ = [
     "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
-    "kv_cache_from_rows", "kv_cache_from_sequences", "slot_mapping", "build_block_tables",
+    "kv_cache_from_rows", "kv_cache_from_sequences", "update_kv_cache", "slot_mapping",
+    "build_block_tables",
 ]
 
 
@@ -165,6 +166,37 @@ def _kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_s
     s = jnp.zeros((n,), jnp.float32).at[slots].set(sf, mode="drop")
     return pack_kv_cache(jax.lax.bitcast_convert_type(v, FP8).reshape(num_blocks, block_size, d),
                          s.reshape(num_blocks, block_size))
+
+
+def update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array) -> jax.Array:
+    """The FP8 paged cache with key rows k [N, D] quantised into slots[i] (= physical block *
+    block_size + offset, as slot_mapping gives; slots outside the cache are dropped), every
+    other slot as it was: a decode step's cache update. Under jit with the cache donated, XLA
+    writes the rows in place."""
+    ck = Checker("update_kv_cache")
+    _, _, d = check_kv_cache(ck, kv_cache)
+    _check_keys(ck, k, 2, "[N, D]")
+    ck.that(k.shape[1] == d, "k", f"must have the cache's D = {d} columns", tuple(k.shape))
+    ck.integer(slots, "slots")
+    ck.shape(slots, "slots", k.shape[:1], "[N]")
+    return _update_kv_cache(kv_cache, k, slots)
+
+
+@jax.jit
+def _update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array) -> jax.Array:
+    nb, blk, _, dp4 = kv_cache.shape
+    d, n = dp4 - SCALE_BYTES, nb * blk
+    values, sf = _quantize_rows(k)
+    slots = jnp.where((slots >= 0) & (slots < n), slots, n).astype(jnp.int32)
+    block, off = slots // blk, slots % blk
+    rows = jax.lax.bitcast_convert_type(values, jnp.uint8)                    # [N, D]
+    scale = jax.lax.bitcast_convert_type(sf, jnp.uint8)                       # [N, 4]
+    flat = kv_cache.reshape(nb, blk * dp4)        # a block: blk rows of D bytes, then blk scales
+    at_v = off[:, None] * d + jnp.arange(d)                                   # [N, D]
+    at_s = blk * d + off[:, None] * SCALE_BYTES + jnp.arange(SCALE_BYTES)     # [N, 4]
+    flat = flat.at[block[:, None], at_v].set(rows, mode="drop")
+    flat = flat.at[block[:, None], at_s].set(scale, mode="drop")
+    return flat.reshape(kv_cache.shape)
 
 
 def slot_mapping(block_tables: jax.Array, block_size: int, seq_len: int) -> jax.Array:

@@ -1,0 +1,136 @@
+"""LightningIndexer: DeepSeek V3.2's sparse-attention indexer as an NNX module on jax_dg.
+
+Per query token t and cached key s the indexer scores  I(t, s) = sum_h w(t, h) * ReLU(q(t, h) . k(s))
+with H small heads sharing one key, and keeps each query's top-k keys for the sparse attention.
+Prefill scores a sequence against itself (causal) with `jax_dg.indexer_topk`; decode scores one
+new token per sequence against a paged FP8 key cache with `jax_dg.paged_indexer_topk`, after
+writing the token's key into the cache (`jax_dg.paged.update_kv_cache`).
+
+As DeepSeek V3.2's reference (inference/model.py, `Indexer`): q from the attention's compressed
+query (q_lora_rank) through wq_b, k from the hidden state through wk and a LayerNorm; RoPE on the
+first rope_head_dim dimensions of both; a Hadamard rotation of both before the FP8 cast; q cast
+per (token, head), its scale folded into the head weights with H^-1/2 and D^-1/2; k cast per
+token. Simplified here, and why: RoPE is the plain rotate-half form with one base and no YaRN
+scaling (the scores' ranking, not the context extension, is what this module is about); the
+casts use float32 scales (V3.2 can use UE8M0 ones: `use_ue8m0` would be one flag more);
+projections are FP8Linear (V3.2 keeps weights_proj in bf16: here too).
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_dg.nn.linear import FP8Linear
+from jax_dg.operands import paged
+from jax_dg.operands.indexer import causal_ks_ke, fold_q_scale, per_row_cast_to_fp8
+from jax_dg.ops.topk import indexer_topk, paged_indexer_topk
+
+
+class IndexerCache(tp.NamedTuple):
+    """A batch of sequences' indexer keys in DeepGEMM's paged FP8 layout (a pytree).
+
+    kv_cache      uint8 [num_blocks, block_size, 1, head_dim + 4] (jax_dg.paged's layout)
+    block_tables  int32 [B, max_blocks]: sequence b's logical block j is physical block [b, j]
+    context_lens  int32 [B]: tokens cached per sequence
+    """
+    kv_cache: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.block_tables.shape[1] * self.block_size
+
+
+def _hadamard(d: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of order d (a power of two), scaled to be orthonormal."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(d)
+
+
+def _rope(x: jax.Array, positions: jax.Array, dims: int, theta: float) -> jax.Array:
+    """Rotate-half RoPE on the first `dims` features of x [..., T, (H,) D] at positions [T]."""
+    half = dims // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, None] * freqs                     # [T, half]
+    if x.ndim == 3:                                                             # [T, H, D]
+        angle = angle[:, None, :]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    xf = x.astype(jnp.float32)
+    a, b = xf[..., :half], xf[..., half:dims]
+    rotated = jnp.concatenate([a * cos - b * sin, a * sin + b * cos, xf[..., dims:]], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class LightningIndexer(nnx.Module):
+    """DeepSeek V3.2's lightning indexer (see the module doc).
+
+    dim: the hidden size; q_lora_rank: the attention's compressed query size; n_heads (16, 32
+    or 64) x head_dim (64 or 128; 128 for decode) FP8 heads; topk keys kept per query.
+    """
+
+    def __init__(self, dim: int, q_lora_rank: int, *, n_heads: int = 64, head_dim: int = 128,
+                 rope_head_dim: int = 64, topk: int = 2048, rope_theta: float = 10000.0,
+                 param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.n_heads, self.head_dim, self.rope_head_dim = n_heads, head_dim, rope_head_dim
+        self.topk, self.rope_theta = topk, rope_theta
+        self.wq_b = FP8Linear(q_lora_rank, n_heads * head_dim, param_dtype=param_dtype, rngs=rngs)
+        self.wk = FP8Linear(dim, head_dim, param_dtype=param_dtype, rngs=rngs)
+        self.k_norm = nnx.LayerNorm(head_dim, param_dtype=jnp.float32, rngs=rngs)
+        self.weights_proj = nnx.Linear(dim, n_heads, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.rotation = nnx.data(jnp.asarray(_hadamard(head_dim)))
+
+    def _rotate(self, x: jax.Array) -> jax.Array:
+        return jnp.matmul(x.astype(jnp.float32), self.rotation).astype(jnp.bfloat16)
+
+    def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """bfloat16 [T, head_dim]: the keys of tokens x [T, dim] at positions [T] (unquantised)."""
+        k = self.k_norm(self.wk(x).astype(jnp.float32)).astype(jnp.bfloat16)
+        return self._rotate(_rope(k, positions, self.rope_head_dim, self.rope_theta))
+
+    def queries(self, x: jax.Array, qr: jax.Array, positions: jax.Array):
+        """(FP8 q [T, H, D] without its scale, float32 head weights [T, H] with the q scale,
+        H^-1/2 and D^-1/2 folded in) of tokens x [T, dim] with compressed queries qr [T, q_lora_rank]."""
+        t = x.shape[0]
+        q = self.wq_b(qr).reshape(t, self.n_heads, self.head_dim)
+        q = self._rotate(_rope(q, positions, self.rope_head_dim, self.rope_theta))
+        q_fp8, q_scale = per_row_cast_to_fp8(q.reshape(t * self.n_heads, self.head_dim))
+        w = self.weights_proj(x).astype(jnp.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return (q_fp8.reshape(t, self.n_heads, self.head_dim),
+                fold_q_scale(w, q_scale.reshape(t, self.n_heads)))
+
+    def prefill(self, x: jax.Array, qr: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One sequence of T tokens, causal: (int32 [T, topk] key positions per query, best
+        first, -1 past its t + 1 keys; the keys [T, head_dim] for the caller's cache)."""
+        t = x.shape[0]
+        positions = jnp.arange(t, dtype=jnp.int32)
+        k = self.keys(x, positions)
+        q, w = self.queries(x, qr, positions)
+        ks, ke = causal_ks_ke(t, t)
+        return indexer_topk((q, None), per_row_cast_to_fp8(k), w, ks, ke, self.topk), k
+
+    def decode(self, x: jax.Array, qr: jax.Array, cache: IndexerCache) -> tuple[jax.Array, IndexerCache]:
+        """One new token per sequence (x [B, dim], qr [B, q_lora_rank]) at position
+        cache.context_lens: its key written into the cache, then (int32 [B, topk] cached token
+        positions per sequence, best first, -1 past its length; the updated cache)."""
+        b = x.shape[0]
+        pos = cache.context_lens
+        slots = (jnp.take_along_axis(cache.block_tables, (pos // cache.block_size)[:, None], axis=1)[:, 0]
+                 * cache.block_size + pos % cache.block_size)
+        kv_cache = paged.update_kv_cache(cache.kv_cache, self.keys(x, pos), slots)
+        lens = pos + 1
+        q, w = self.queries(x, qr, pos)
+        idx = paged_indexer_topk((q.reshape(b, 1, self.n_heads, self.head_dim), None), kv_cache, w,
+                                 lens, cache.block_tables, self.topk, max_model_len=cache.max_len)
+        return idx, IndexerCache(kv_cache, cache.block_tables, lens)

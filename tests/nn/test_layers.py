@@ -1,0 +1,109 @@
+"""jax_dg.nn's Flax NNX layers: shapes, parameters, gradients and the indexer's two paths
+against the pure-JAX reference (the same module traced with JAX_DG_BACKEND=xla)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+import jax_dg  # noqa: E402
+from jax_dg import nn  # noqa: E402
+from jax_dg.operands import paged  # noqa: E402
+
+
+def test_fp8_linear_has_nnx_linears_parameters_and_trains():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    layer = nn.FP8Linear(256, 128, use_bias=True, rngs=nnx.Rngs(0),
+                         kernel_metadata={"out_sharding": (None, "model"), "mesh": mesh})
+    plain = nnx.Linear(256, 128, use_bias=True, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert jax.tree.map(jnp.shape, nnx.state(layer)) == jax.tree.map(jnp.shape, nnx.state(plain))
+    assert layer.kernel.get_metadata()["out_sharding"] == (None, "model")
+    assert layer.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 32, 256), jnp.bfloat16)
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+    assert y.shape == (4, 32, 128) and y.dtype == jnp.bfloat16
+    exact = x.astype(jnp.float32) @ layer.kernel[...].astype(jnp.float32)
+    assert jax_dg.calc_diff(y, exact) < 1e-3                    # DeepGEMM's FP8 GEMM bound
+
+    def loss(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+    grads = nnx.grad(loss)(layer, x)
+    with jax_dg.use_backend("xla"):
+        ref = nnx.grad(loss)(layer, x)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        assert g.shape == r.shape and jax_dg.calc_diff(g, r) < 1e-6   # the FP8 backward, both ways
+    exact_grad = jax.grad(lambda w: jnp.mean((x.astype(jnp.float32) @ w) ** 2))(
+        layer.kernel[...].astype(jnp.float32))
+    assert jax_dg.calc_diff(grads.kernel[...], exact_grad) < 1e-2   # FP8 vs exact: the recipe's error
+
+
+def make_indexer(topk=64):
+    return nn.LightningIndexer(256, 128, n_heads=32, head_dim=128, topk=topk, rngs=nnx.Rngs(0))
+
+
+def inputs(t, seed=0):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return (jax.random.normal(k1, (t, 256), jnp.bfloat16), jax.random.normal(k2, (t, 128), jnp.bfloat16))
+
+
+def agreement(a, b) -> float:
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.mean([len(set(r) & set(s)) / max(len(set(r)), 1) for r, s in zip(a, b)]))
+
+
+def test_indexer_prefill_matches_the_reference_and_is_causal():
+    idx_mod = make_indexer()
+    x, qr = inputs(192)
+    prefill = nnx.jit(lambda m, x, qr: m.prefill(x, qr))
+    idx, k = prefill(idx_mod, x, qr)
+    assert idx.shape == (192, 64) and idx.dtype == jnp.int32 and k.shape == (192, 128)
+    idx = np.asarray(idx)
+    rows = np.arange(192)[:, None]
+    assert ((idx <= rows) | (idx == -1)).all()              # no query sees a later key
+    assert ((idx == -1).sum(1) == np.maximum(64 - (np.arange(192) + 1), 0)).all()
+    with jax_dg.use_backend("xla"):
+        ref, _ = nnx.jit(lambda m, x, qr: m.prefill(x, qr))(idx_mod, x, qr)
+    assert agreement(idx, ref) > 0.99                         # ties within rounding may swap
+
+
+def test_indexer_decode_writes_the_cache_and_equals_prefills_last_row():
+    m = make_indexer()
+    b, t, blk = 2, 150, 64
+    x, qr = inputs(t + 1, seed=3)
+    # Two sequences: the same tokens, cached through different block tables.
+    tables, nb = paged.build_block_tables(np.array([t + 1, t + 1]), blk, key=jax.random.PRNGKey(5))
+    k = m.keys(x[:t], jnp.arange(t, dtype=jnp.int32))
+    cache = nn.IndexerCache(paged.kv_cache_from_sequences(jnp.stack([k, k]), tables, blk, nb),
+                            tables, jnp.full((b,), t, jnp.int32))
+    decode = nnx.jit(lambda m, x, qr, c: m.decode(x, qr, c))
+    idx, cache2 = decode(m, jnp.stack([x[t]] * b), jnp.stack([qr[t]] * b), cache)
+    assert idx.shape == (b, 64) and (np.asarray(cache2.context_lens) == t + 1).all()
+    whole = paged.kv_cache_from_sequences(jnp.stack([m.keys(x, jnp.arange(t + 1, dtype=jnp.int32))] * b),
+                                          tables, blk, nb)
+    np.testing.assert_array_equal(np.asarray(cache2.kv_cache), np.asarray(whole))   # the update
+    last, _ = nnx.jit(lambda m, x, qr: m.prefill(x, qr))(m, x, qr)
+    for row in np.asarray(idx):
+        assert agreement([row], [np.asarray(last)[t]]) > 0.98
+
+
+def test_update_kv_cache_writes_only_its_slots():
+    cache = paged.quantize_kv_cache(jax.random.normal(jax.random.PRNGKey(0), (3, 64, 128), jnp.bfloat16))
+    rows = jax.random.normal(jax.random.PRNGKey(1), (2, 128), jnp.bfloat16)
+    out = paged.update_kv_cache(cache, rows, jnp.array([70, 3 * 64 + 5], jnp.int32))   # 2nd: outside
+    want = paged.kv_cache_from_rows(rows[:1], jnp.array([70]), 3, 64)
+    values, scales = paged.unpack_kv_cache(out)
+    old_v, old_s = paged.unpack_kv_cache(cache)
+    new_v, new_s = paged.unpack_kv_cache(want)
+    mask = np.zeros((3, 64), bool)
+    mask[1, 6] = True
+    np.testing.assert_array_equal(np.asarray(scales)[mask], np.asarray(new_s)[mask])
+    np.testing.assert_array_equal(np.asarray(scales)[~mask], np.asarray(old_s)[~mask])
+    bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))  # noqa: E731
+    np.testing.assert_array_equal(bits(values)[mask], bits(new_v)[mask])
+    np.testing.assert_array_equal(bits(values)[~mask], bits(old_v)[~mask])
+    with pytest.raises(jax_dg.ArgumentError, match="update_kv_cache: `k`"):
+        paged.update_kv_cache(cache, rows[:, :64], jnp.array([0, 1], jnp.int32))
