@@ -3,6 +3,8 @@
     FP8Linear          x @ kernel with DeepSeek V3's FP8 recipe, forward and backward on DeepGEMM
     LightningIndexer   DeepSeek V3.2's indexer: prefill (indexer_topk) and decode against a paged
                        FP8 key cache (paged_indexer_topk), with the cache update
+    MoE                DeepSeek V3's experts: gate, routing, SwiGLU experts on grouped FP8 GEMMs
+                       (masked: differentiable; contiguous: prefill), shared experts
 
 The top layer: it imports jax_dg's public functions and nothing imports it; `import jax_dg` works
 without flax installed.
@@ -17,5 +19,6 @@ except ImportError as e:   # say which extra brings it
 
 from jax_dg.nn.indexer import IndexerCache, LightningIndexer
 from jax_dg.nn.linear import FP8Linear
+from jax_dg.nn.moe import MoE
 
-__all__ = ["FP8Linear", "LightningIndexer", "IndexerCache"]
+__all__ = ["FP8Linear", "LightningIndexer", "IndexerCache", "MoE"]

@@ -1,0 +1,111 @@
+"""MoE: DeepSeek V3's mixture of experts as an NNX module on jax_dg's grouped FP8 GEMMs.
+
+gate -> top-k experts per token -> tokens permuted into per-expert batches -> SwiGLU experts
+(grouped FP8 GEMMs, DeepSeek V3's recipe) -> weighted combine, plus shared experts (FP8Linear).
+Two grouped layouts, one module:
+
+  "masked"      each expert's rows in a [E, capacity, ...] batch (fp8_grouped_linear):
+                differentiable, capture-friendly static shapes; the training and decode path.
+                Tokens past an expert's capacity are dropped (`route(...)` says how many).
+  "contiguous"  experts' rows back to back, each group padded to DeepGEMM's alignment
+                (m_grouped_fp8_gemm_nt_contiguous): no capacity, forward only; the prefill path.
+
+Routing as DeepSeek V3 (inference/model.py, `Gate`): sigmoid scores, a per-expert bias added for
+the choice only (the load-balancing correction, a non-trained variable here), experts chosen
+within the `topk_groups` best of `n_groups` groups (a group's score: its two best experts), the
+chosen scores normalised to sum 1 and scaled by `route_scale`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dg.contracts import align
+from jax_dg.nn.linear import FP8Linear
+from jax_dg.operands.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from jax_dg.operands.routing import (combine_from_contiguous, combine_from_masked, contiguous_layout,
+                                     masked_layout, permute_to_contiguous, permute_to_masked)
+from jax_dg.ops.grouped import m_grouped_fp8_gemm_nt_contiguous
+from jax_dg.ops.linear import fp8_grouped_linear
+
+default_init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+    gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+
+
+class MoE(nnx.Module):
+    """DeepSeek V3's MoE layer (see the module doc). x [T, dim] -> bfloat16 [T, dim].
+
+    dim and inter_dim: multiples of 128 (DeepGEMM's FP8 blocks); n_experts experts, `topk` per
+    token; n_shared shared experts of inter_dim each; capacity_factor sizes the masked layout's
+    per-expert batch: align(ceil(T * topk / n_experts * capacity_factor), 128) rows.
+    """
+
+    def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, *, n_shared: int = 1,
+                 n_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
+                 capacity_factor: float = 2.0, param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.n_experts, self.topk, self.n_groups, self.topk_groups = n_experts, topk, n_groups, topk_groups
+        self.route_scale, self.capacity_factor = route_scale, capacity_factor
+        self.gate = nnx.Param(default_init(rngs.params(), (n_experts, dim), jnp.float32))
+        self.gate_bias = nnx.Variable(jnp.zeros((n_experts,), jnp.float32))   # balance correction
+        self.w13 = nnx.Param(default_init(rngs.params(), (n_experts, 2 * inter_dim, dim), param_dtype))
+        self.w2 = nnx.Param(default_init(rngs.params(), (n_experts, dim, inter_dim), param_dtype))
+        self.shared_in = FP8Linear(dim, 2 * n_shared * inter_dim, param_dtype=param_dtype, rngs=rngs) \
+            if n_shared else nnx.data(None)
+        self.shared_out = FP8Linear(n_shared * inter_dim, dim, param_dtype=param_dtype, rngs=rngs) \
+            if n_shared else nnx.data(None)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(int32 [T, topk] experts, float32 [T, topk] combine weights) of tokens x [T, dim]."""
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.gate[...].T)
+        biased = scores + self.gate_bias[...]
+        if self.n_groups > 1:
+            t = x.shape[0]
+            grouped = biased.reshape(t, self.n_groups, -1)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            keep = jax.lax.top_k(group_score, self.topk_groups)[1]
+            mask = jnp.zeros((t, self.n_groups), bool).at[jnp.arange(t)[:, None], keep].set(True)
+            biased = jnp.where(mask[:, :, None], grouped, -jnp.inf).reshape(t, -1)
+        experts = jax.lax.top_k(biased, self.topk)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=1)
+        weights = weights / weights.sum(-1, keepdims=True) * self.route_scale
+        return experts.astype(jnp.int32), weights
+
+    def __call__(self, x: jax.Array, *, layout: str = "masked") -> jax.Array:
+        experts, weights = self.route(x)
+        if layout == "masked":
+            y = self._masked(x, experts, weights)
+        elif layout == "contiguous":
+            y = self._contiguous(x, experts, weights)
+        else:
+            raise ValueError(f"MoE: `layout` must be 'masked' or 'contiguous', got {layout!r}")
+        if self.shared_in is None:
+            return y
+        shared = self.shared_out(_swiglu(self.shared_in(x)))
+        return (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    def capacity(self, tokens: int) -> int:
+        """Rows per expert in the masked layout for a batch of `tokens`."""
+        return align(max(1, -(-int(tokens * self.topk * self.capacity_factor) // self.n_experts)), 128)
+
+    def _masked(self, x, experts, weights):
+        cap = self.capacity(x.shape[0])
+        lay = masked_layout(experts, self.n_experts, cap)
+        hint = max(1, -(-x.shape[0] * self.topk // self.n_experts))
+        h = fp8_grouped_linear(permute_to_masked(x.astype(jnp.bfloat16), lay), self.w13[...], lay.masked_m, hint)
+        y = fp8_grouped_linear(_swiglu(h), self.w2[...], lay.masked_m, hint)
+        return combine_from_masked(y, lay, weights, jnp.bfloat16)
+
+    def _contiguous(self, x, experts, weights):
+        lay = contiguous_layout(experts, self.n_experts)
+        w13 = jax.vmap(per_block_cast_to_fp8)(self.w13[...])
+        w2 = jax.vmap(per_block_cast_to_fp8)(self.w2[...])
+        a = permute_to_contiguous(per_token_cast_to_fp8(x.astype(jnp.bfloat16)), lay)
+        h = m_grouped_fp8_gemm_nt_contiguous(a, w13, lay.grouped_layout)
+        y = m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_swiglu(h)), w2, lay.grouped_layout)
+        return combine_from_contiguous(y, lay, weights, jnp.bfloat16)
