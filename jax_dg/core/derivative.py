@@ -65,10 +65,16 @@ def with_vjp(call: Callable, names: Sequence[str], rule: Rule, static: Mapping[s
 
 
 def without_derivative(name: str, call: Callable) -> Callable:
-    """`call`, raising NotDifferentiableError (not JAX's generic FFI error) when differentiated."""
+    """`call`, raising NotDifferentiableError (not JAX's generic FFI error) when differentiated;
+    an op whose outputs are all integers (indices, schedules) has none to give and differentiates
+    as jnp.argmax does: float0 tangents, so a model around it trains."""
     f = jax.custom_jvp(call)
 
     def jvp(primals, tangents):
+        out = call(*primals)
+        leaves = jax.tree.leaves(out)
+        if leaves and not any(jax.numpy.issubdtype(o.dtype, jax.numpy.inexact) for o in leaves):
+            return out, jax.tree.map(lambda o: np.zeros(o.shape, jax.dtypes.float0), out)
         raise NotDifferentiableError(
             f"jax_dg: `{name}` has no derivative rule. Differentiable jax_dg functions: "
             f"{', '.join(DIFFERENTIABLE)}; or trace the pure-JAX reference with "

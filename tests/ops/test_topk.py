@@ -302,3 +302,18 @@ def test_gpu_paged_indexer_topk(b):
     assert torch.equal(torch.where(ti >= 0, torch.gather(dg, 1, ti.clamp(min=0)), float("-inf")), tv)
     for _ in range(5):
         assert bool(jnp.array_equal(f(q, cache, w, lens, table), idx))
+
+
+def test_indices_differentiate_to_nothing_as_argmax_does():
+    """Integer outputs have no tangent: a model that gathers with the indices trains (the
+    gradient flows through what it gathers), as with jnp.argmax or lax.top_k's indices."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (8, 64), jnp.float32)
+
+    def picked(x):
+        idx = jax_dg.topk_indices(x, 4)
+        return jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=1).sum()
+    g = np.asarray(jax.grad(picked)(logits))
+    top = np.argsort(-np.asarray(logits), axis=1)[:, :4]
+    want = np.zeros_like(g)
+    np.put_along_axis(want, top, 1.0, axis=1)
+    np.testing.assert_array_equal(g, want)
