@@ -36,3 +36,13 @@ def test_the_reference_time_is_the_references(monkeypatch):
         return "jax_dg_" in str(jax.make_jaxpr(fn)(*args))
     assert not runs_jax_dg(ref), "the reference step timed runs a jax_dg custom call"
     assert runs_jax_dg(step) and runs_jax_dg(logits_fn)
+
+
+def test_deepseek_v32_block_example(capsys):
+    """Prefill, the jitted decode loop and training steps pass the example's own checks."""
+    import pytest
+    pytest.importorskip("flax.nnx")
+    example = load("deepseek_v32_block")
+    assert example.main(["--seq", "32", "--new", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "training loss" in out
