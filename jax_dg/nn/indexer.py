@@ -18,6 +18,7 @@ projections are FP8Linear (V3.2 keeps weights_proj in bf16: here too).
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 
 import jax
@@ -51,8 +52,10 @@ class IndexerCache(tp.NamedTuple):
         return self.block_tables.shape[1] * self.block_size
 
 
+@functools.lru_cache(maxsize=4)
 def _hadamard(d: int) -> np.ndarray:
-    """Sylvester's Hadamard matrix of order d (a power of two), scaled to be orthonormal."""
+    """Sylvester's Hadamard matrix of order d (a power of two), scaled to be orthonormal: a
+    constant of the trace, not module state."""
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
@@ -89,10 +92,12 @@ class LightningIndexer(nnx.Module):
         self.wk = FP8Linear(dim, head_dim, param_dtype=param_dtype, rngs=rngs)
         self.k_norm = nnx.LayerNorm(head_dim, param_dtype=jnp.float32, rngs=rngs)
         self.weights_proj = nnx.Linear(dim, n_heads, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.rotation = nnx.data(jnp.asarray(_hadamard(head_dim)))
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"LightningIndexer: `head_dim` must be a power of two (the Hadamard "
+                             f"rotation), got {head_dim}")
 
     def _rotate(self, x: jax.Array) -> jax.Array:
-        return jnp.matmul(x.astype(jnp.float32), self.rotation).astype(jnp.bfloat16)
+        return jnp.matmul(x.astype(jnp.float32), _hadamard(self.head_dim)).astype(jnp.bfloat16)
 
     def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """bfloat16 [T, head_dim]: the keys of tokens x [T, dim] at positions [T] (unquantised)."""
