@@ -158,10 +158,11 @@ def main(argv=None) -> int:
     print(f"prefill logits vs pure-JAX reference: calc_diff {diff:.2e} (max {MAX_DIFF:g})")
     ok &= diff < MAX_DIFF
 
-    # decode's first new token sees the prompt only: its logits equal prefill's at the next position
-    longer = jnp.concatenate([tokens, jnp.argmax(logits[:, -1], -1)[:, None]], axis=1)
-    full, _ = jax.vmap(lambda t: block.prefill(t))(longer)
-    lg, *_ = decode_first(block, tokens)
+    # A decode step on the prompt's cache gives the logits prefill gives for the same token at
+    # the same position (the same token on both sides: an argmax may flip on rounding).
+    nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    full, _ = nnx.jit(lambda blk, t: jax.vmap(blk.prefill)(t))(block, jnp.concatenate([tokens, nxt[:, None]], 1))
+    lg, *_ = decode_first(block, tokens, nxt)
     diff = jax_dg.calc_diff(lg, full[:, -1])
     print(f"decode step vs prefill at the same position: calc_diff {diff:.2e} (max {MAX_DIFF:g})")
     ok &= diff < MAX_DIFF
@@ -174,15 +175,15 @@ def main(argv=None) -> int:
 
 
 @nnx.jit
-def decode_first(block, tokens):
-    """The first decode step after prefilling `tokens` (logits of the token after them)."""
+def decode_first(block, tokens, nxt):
+    """The decode step of token nxt [B] after prefilling `tokens` [B, S] (its logits first)."""
     b, s = tokens.shape
-    logits, (keys, ks, vs) = jax.vmap(lambda t: block.prefill(t))(tokens)
+    _, (keys, ks, vs) = jax.vmap(lambda t: block.prefill(t))(tokens)
     tables, nb = paged.build_block_tables(np.full(b, s + 1), 64)
     cache = nn.IndexerCache(paged.kv_cache_from_sequences(keys, tables, 64, nb), tables,
                             jnp.full((b,), s, jnp.int32))
     pad = lambda a: jnp.concatenate([a, jnp.zeros_like(a[:, :1])], axis=1)  # noqa: E731
-    return block.decode_step(jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache, pad(ks), pad(vs))
+    return block.decode_step(nxt, cache, pad(ks), pad(vs))
 
 
 if __name__ == "__main__":
