@@ -8,12 +8,12 @@ writing the token's key into the cache (`jax_dg.paged.update_kv_cache`).
 
 As DeepSeek V3.2's reference (inference/model.py, `Indexer`): q from the attention's compressed
 query (q_lora_rank) through wq_b, k from the hidden state through wk and a LayerNorm; RoPE on the
-first rope_head_dim dimensions of both; a Hadamard rotation of both before the FP8 cast; q cast
-per (token, head), its scale folded into the head weights with H^-1/2 and D^-1/2; k cast per
-token. Simplified here, and why: RoPE is the plain rotate-half form with one base and no YaRN
-scaling (the scores' ranking, not the context extension, is what this module is about); the
-casts use float32 scales (V3.2 can use UE8M0 ones: `use_ue8m0` would be one flag more);
-projections are FP8Linear (V3.2 keeps weights_proj in bf16: here too).
+first rope_head_dim dimensions of both (non-interleaved, as V3.2's indexer); a Hadamard rotation
+of both before the FP8 cast; q cast per (token, head), its scale folded into the head weights
+with H^-1/2 and D^-1/2; k cast per token. Simplified here, and why: RoPE has one base and no
+YaRN scaling (the scores' ranking, not the context extension, is what this module is about);
+the casts use float32 scales, DeepGEMM's SM90 contract (V3.2 can use UE8M0 ones, and SM100's
+kernels want MX scales: not handled here); wq_b and wk are FP8Linear, weights_proj stays bf16.
 """
 
 from __future__ import annotations
@@ -79,22 +79,24 @@ def _rope(x: jax.Array, positions: jax.Array, dims: int, theta: float) -> jax.Ar
 class LightningIndexer(nnx.Module):
     """DeepSeek V3.2's lightning indexer (see the module doc).
 
-    dim: the hidden size; q_lora_rank: the attention's compressed query size; n_heads (16, 32
-    or 64) x head_dim (64 or 128; 128 for decode) FP8 heads; topk keys kept per query.
+    dim: the hidden size; q_lora_rank: the attention's compressed query size; n_heads x
+    head_dim FP8 heads (prefill: 16, 32 or 64 heads of 64 or 128; decode: 32 or 64 heads of
+    128, DeepGEMM's paged kernel on SM90); topk keys kept per query. Input rows are tokens:
+    x [T, dim] (2-D).
     """
 
     def __init__(self, dim: int, q_lora_rank: int, *, n_heads: int = 64, head_dim: int = 128,
                  rope_head_dim: int = 64, topk: int = 2048, rope_theta: float = 10000.0,
                  param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"LightningIndexer: `head_dim` must be a power of two (the Hadamard "
+                             f"rotation), got {head_dim}")
         self.n_heads, self.head_dim, self.rope_head_dim = n_heads, head_dim, rope_head_dim
         self.topk, self.rope_theta = topk, rope_theta
         self.wq_b = FP8Linear(q_lora_rank, n_heads * head_dim, param_dtype=param_dtype, rngs=rngs)
         self.wk = FP8Linear(dim, head_dim, param_dtype=param_dtype, rngs=rngs)
         self.k_norm = nnx.LayerNorm(head_dim, param_dtype=jnp.float32, rngs=rngs)
         self.weights_proj = nnx.Linear(dim, n_heads, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        if head_dim & (head_dim - 1):
-            raise ValueError(f"LightningIndexer: `head_dim` must be a power of two (the Hadamard "
-                             f"rotation), got {head_dim}")
 
     def _rotate(self, x: jax.Array) -> jax.Array:
         return jnp.matmul(x.astype(jnp.float32), _hadamard(self.head_dim)).astype(jnp.bfloat16)
@@ -128,13 +130,20 @@ class LightningIndexer(nnx.Module):
     def decode(self, x: jax.Array, qr: jax.Array, cache: IndexerCache) -> tuple[jax.Array, IndexerCache]:
         """One new token per sequence (x [B, dim], qr [B, q_lora_rank]) at position
         cache.context_lens: its key written into the cache, then (int32 [B, topk] cached token
-        positions per sequence, best first, -1 past its length; the updated cache)."""
+        positions per sequence, best first, -1 past its length; the updated cache). The block
+        tables must name a block of the sequence's own for that position (jax_dg.paged's
+        build_block_tables fills unused entries with block 0); a sequence at max_len takes no
+        new key and keeps its length."""
         b = x.shape[0]
         pos = cache.context_lens
-        slots = (jnp.take_along_axis(cache.block_tables, (pos // cache.block_size)[:, None], axis=1)[:, 0]
-                 * cache.block_size + pos % cache.block_size)
+        # A sequence whose table is full takes no new token (its slot would wrap into another
+        # sequence's block): its key is not written and its length stays.
+        room = pos < cache.max_len
+        block = jnp.take_along_axis(cache.block_tables, jnp.minimum(pos // cache.block_size,
+                                    cache.block_tables.shape[1] - 1)[:, None], axis=1)[:, 0]
+        slots = jnp.where(room, block * cache.block_size + pos % cache.block_size, -1)
         kv_cache = paged.update_kv_cache(cache.kv_cache, self.keys(x, pos), slots)
-        lens = pos + 1
+        lens = jnp.where(room, pos + 1, pos)
         q, w = self.queries(x, qr, pos)
         idx = paged_indexer_topk((q.reshape(b, 1, self.n_heads, self.head_dim), None), kv_cache, w,
                                  lens, cache.block_tables, self.topk, max_model_len=cache.max_len)

@@ -6,7 +6,8 @@ Two grouped layouts, one module:
 
   "masked"      each expert's rows in a [E, capacity, ...] batch (fp8_grouped_linear):
                 differentiable, capture-friendly static shapes; the training and decode path.
-                Tokens past an expert's capacity are dropped (`route(...)` says how many).
+                Assignments past an expert's capacity are dropped: `return_dropped=True`
+                returns their count beside the output.
   "contiguous"  experts' rows back to back, each group padded to DeepGEMM's alignment
                 (m_grouped_fp8_gemm_nt_contiguous): no capacity, forward only; the prefill path.
 
@@ -17,6 +18,9 @@ chosen scores normalised to sum 1 and scaled by `route_scale`.
 """
 
 from __future__ import annotations
+
+import typing as tp
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +34,15 @@ from jax_dg.operands.routing import (combine_from_contiguous, combine_from_maske
 from jax_dg.ops.grouped import m_grouped_fp8_gemm_nt_contiguous
 from jax_dg.ops.linear import fp8_grouped_linear
 
-default_init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+# Per expert: fan-in is the last axis, the expert axis is a batch of matrices (not fan-in).
+default_init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+gate_init = nnx.initializers.lecun_normal()
+
+
+class RouterBias(nnx.Variable):
+    """The gate's load-balancing bias (DeepSeek V3's e_score_correction_bias): added to the
+    scores to choose experts only, updated by a balancing rule, not by gradients (filter it by
+    this type for optimisers and checkpoints)."""
 
 
 def _swiglu(h: jax.Array) -> jax.Array:
@@ -39,22 +51,28 @@ def _swiglu(h: jax.Array) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    """DeepSeek V3's MoE layer (see the module doc). x [T, dim] -> bfloat16 [T, dim].
+    """DeepSeek V3's MoE layer (see the module doc). x [T, dim] (2-D: rows are tokens) ->
+    bfloat16 [T, dim].
 
     dim and inter_dim: multiples of 128 (DeepGEMM's FP8 blocks); n_experts experts, `topk` per
     token; n_shared shared experts of inter_dim each; capacity_factor sizes the masked layout's
     per-expert batch: align(ceil(T * topk / n_experts * capacity_factor), 128) rows.
+    `expert_metadata` goes to both expert weights [E, ...] (e.g. `{"out_sharding": ("expert",
+    None, None), "mesh": mesh}` for expert parallelism).
     """
 
     def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, *, n_shared: int = 1,
                  n_groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0,
-                 capacity_factor: float = 2.0, param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+                 capacity_factor: float = 2.0, param_dtype=jnp.bfloat16, rngs: nnx.Rngs,
+                 expert_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({})):
         self.n_experts, self.topk, self.n_groups, self.topk_groups = n_experts, topk, n_groups, topk_groups
         self.route_scale, self.capacity_factor = route_scale, capacity_factor
-        self.gate = nnx.Param(default_init(rngs.params(), (n_experts, dim), jnp.float32))
-        self.gate_bias = nnx.Variable(jnp.zeros((n_experts,), jnp.float32))   # balance correction
-        self.w13 = nnx.Param(default_init(rngs.params(), (n_experts, 2 * inter_dim, dim), param_dtype))
-        self.w2 = nnx.Param(default_init(rngs.params(), (n_experts, dim, inter_dim), param_dtype))
+        self.gate = nnx.Param(gate_init(rngs.params(), (dim, n_experts), jnp.float32).T)
+        self.gate_bias = RouterBias(jnp.zeros((n_experts,), jnp.float32))
+        self.w13 = nnx.Param(default_init(rngs.params(), (n_experts, 2 * inter_dim, dim), param_dtype),
+                             **expert_metadata)
+        self.w2 = nnx.Param(default_init(rngs.params(), (n_experts, dim, inter_dim), param_dtype),
+                            **expert_metadata)
         self.shared_in = FP8Linear(dim, 2 * n_shared * inter_dim, param_dtype=param_dtype, rngs=rngs) \
             if n_shared else nnx.data(None)
         self.shared_out = FP8Linear(n_shared * inter_dim, dim, param_dtype=param_dtype, rngs=rngs) \
@@ -76,22 +94,26 @@ class MoE(nnx.Module):
         weights = weights / weights.sum(-1, keepdims=True) * self.route_scale
         return experts.astype(jnp.int32), weights
 
-    def __call__(self, x: jax.Array, *, layout: str = "masked") -> jax.Array:
+    def __call__(self, x: jax.Array, *, layout: str = "masked", return_dropped: bool = False):
+        """bfloat16 [T, dim]; with `return_dropped`, also the int32 count of (token, expert)
+        assignments the masked layout's capacity dropped (0 for "contiguous")."""
         experts, weights = self.route(x)
         if layout == "masked":
-            y = self._masked(x, experts, weights)
+            y, dropped = self._masked(x, experts, weights)
         elif layout == "contiguous":
-            y = self._contiguous(x, experts, weights)
+            y, dropped = self._contiguous(x, experts, weights), jnp.zeros((), jnp.int32)
         else:
             raise ValueError(f"MoE: `layout` must be 'masked' or 'contiguous', got {layout!r}")
-        if self.shared_in is None:
-            return y
-        shared = self.shared_out(_swiglu(self.shared_in(x)))
-        return (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(jnp.bfloat16)
+        if self.shared_in is not None:
+            shared = self.shared_out(_swiglu(self.shared_in(x)))
+            y = (y.astype(jnp.float32) + shared.astype(jnp.float32)).astype(jnp.bfloat16)
+        return (y, dropped) if return_dropped else y
 
     def capacity(self, tokens: int) -> int:
-        """Rows per expert in the masked layout for a batch of `tokens`."""
-        return align(max(1, -(-int(tokens * self.topk * self.capacity_factor) // self.n_experts)), 128)
+        """Rows per expert in the masked layout for a batch of `tokens`:
+        align(ceil(tokens * topk * capacity_factor / n_experts), 128)."""
+        rows = -(-tokens * self.topk * self.capacity_factor // self.n_experts)
+        return align(max(1, int(rows)), 128)
 
     def _masked(self, x, experts, weights):
         cap = self.capacity(x.shape[0])
@@ -99,7 +121,7 @@ class MoE(nnx.Module):
         hint = max(1, -(-x.shape[0] * self.topk // self.n_experts))
         h = fp8_grouped_linear(permute_to_masked(x.astype(jnp.bfloat16), lay), self.w13[...], lay.masked_m, hint)
         y = fp8_grouped_linear(_swiglu(h), self.w2[...], lay.masked_m, hint)
-        return combine_from_masked(y, lay, weights, jnp.bfloat16)
+        return combine_from_masked(y, lay, weights, jnp.bfloat16), lay.num_dropped
 
     def _contiguous(self, x, experts, weights):
         lay = contiguous_layout(experts, self.n_experts)

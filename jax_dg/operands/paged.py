@@ -170,8 +170,9 @@ def _kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_s
 
 def update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array) -> jax.Array:
     """The FP8 paged cache with key rows k [N, D] quantised into slots[i] (= physical block *
-    block_size + offset, as slot_mapping gives; slots outside the cache are dropped), every
-    other slot as it was: a decode step's cache update. Under jit with the cache donated, XLA
+    block_size + offset, as slot_mapping gives; slots outside the cache, -1 included, are
+    dropped), every other slot as it was: a decode step's cache update. Slots must be distinct
+    (two rows to one slot would leave a mix of both). Under jit with the cache donated, XLA
     writes the rows in place."""
     ck = Checker("update_kv_cache")
     _, _, d = check_kv_cache(ck, kv_cache)

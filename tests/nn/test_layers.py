@@ -90,10 +90,26 @@ def test_indexer_decode_writes_the_cache_and_equals_prefills_last_row():
         assert agreement([row], [np.asarray(last)[t]]) > 0.98
 
 
+def test_indexer_decode_on_a_full_table_writes_nothing():
+    m = make_indexer()
+    x, qr = inputs(2, seed=4)
+    tables, nb = paged.build_block_tables(np.array([64, 10]), 64)   # one block each
+    cache = nn.IndexerCache(paged.quantize_kv_cache(jax.random.normal(jax.random.PRNGKey(6), (nb, 64, 128),
+                                                                      jnp.bfloat16)),
+                            tables, jnp.array([64, 10], jnp.int32))   # sequence 0 is full
+    _, after = nnx.jit(lambda m, x, qr, c: m.decode(x, qr, c))(m, x, qr, cache)
+    np.testing.assert_array_equal(np.asarray(after.context_lens), [64, 11])
+    before_v, after_v = (np.asarray(c).reshape(nb, -1) for c in (cache.kv_cache, after.kv_cache))
+    b0, b1 = np.asarray(tables)[:, 0]
+    np.testing.assert_array_equal(after_v[b0], before_v[b0])          # the full sequence's block
+    assert (after_v[b1] != before_v[b1]).any()                         # the other one's got its key
+
+
 def test_update_kv_cache_writes_only_its_slots():
     cache = paged.quantize_kv_cache(jax.random.normal(jax.random.PRNGKey(0), (3, 64, 128), jnp.bfloat16))
     rows = jax.random.normal(jax.random.PRNGKey(1), (2, 128), jnp.bfloat16)
-    out = paged.update_kv_cache(cache, rows, jnp.array([70, 3 * 64 + 5], jnp.int32))   # 2nd: outside
+    rows = jnp.concatenate([rows, rows[:1]])
+    out = paged.update_kv_cache(cache, rows, jnp.array([70, 3 * 64 + 5, -1], jnp.int32))  # 2, 3: outside
     want = paged.kv_cache_from_rows(rows[:1], jnp.array([70]), 3, 64)
     values, scales = paged.unpack_kv_cache(out)
     old_v, old_s = paged.unpack_kv_cache(cache)
@@ -106,7 +122,7 @@ def test_update_kv_cache_writes_only_its_slots():
     np.testing.assert_array_equal(bits(values)[mask], bits(new_v)[mask])
     np.testing.assert_array_equal(bits(values)[~mask], bits(old_v)[~mask])
     with pytest.raises(jax_dg.ArgumentError, match="update_kv_cache: `k`"):
-        paged.update_kv_cache(cache, rows[:, :64], jnp.array([0, 1], jnp.int32))
+        paged.update_kv_cache(cache, rows[:, :64], jnp.array([0, 1, 2], jnp.int32))
 
 
 def dense_moe(m, x):
@@ -126,6 +142,48 @@ def dense_moe(m, x):
 
 def make_moe(**kw):
     return nn.MoE(256, 128, 8, 2, n_groups=4, topk_groups=2, rngs=nnx.Rngs(0), **kw)
+
+
+def numpy_gate(x, gate, bias, topk, n_groups, topk_groups, route_scale):
+    """DeepSeek V3's Gate (inference/model.py) in numpy, one token at a time."""
+    scores = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ np.asarray(gate, np.float64).T)))
+    out_e, out_w = [], []
+    for s in scores:
+        b = s + bias
+        g = b.reshape(n_groups, -1)
+        keep = np.argsort(-np.sort(g, axis=1)[:, -2:].sum(1), kind="stable")[:topk_groups]
+        masked = np.full_like(g, -np.inf)
+        masked[keep] = g[keep]
+        e = np.argsort(-masked.ravel(), kind="stable")[:topk]
+        w = s[e] / s[e].sum() * route_scale
+        out_e.append(e), out_w.append(w)
+    return np.array(out_e), np.array(out_w)
+
+
+def test_moe_routes_as_deepseek_v3s_gate():
+    m = nn.MoE(256, 128, 16, 4, n_groups=4, topk_groups=2, route_scale=2.5, rngs=nnx.Rngs(0))
+    m.gate_bias[...] = jax.random.normal(jax.random.PRNGKey(7), (16,), jnp.float32) * 0.5
+    x = jax.random.normal(jax.random.PRNGKey(8), (64, 256), jnp.bfloat16)
+    experts, weights = m.route(x)
+    want_e, want_w = numpy_gate(x.astype(jnp.float32), m.gate[...], np.asarray(m.gate_bias[...], np.float64),
+                                4, 4, 2, 2.5)
+    order = np.argsort(np.asarray(experts), axis=1)
+    np.testing.assert_array_equal(np.sort(np.asarray(experts), axis=1), np.sort(want_e, axis=1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
+                               np.take_along_axis(want_w, np.argsort(want_e, axis=1), 1), rtol=1e-5)
+    assert all(len(set(e // 4)) <= 2 for e in np.asarray(experts))   # 4 experts from 2 of 4 groups
+
+
+def test_moe_init_and_dropped_tokens():
+    m = nn.MoE(256, 128, 64, 2, rngs=nnx.Rngs(0))
+    assert abs(float(jnp.std(m.w13[...].astype(jnp.float32))) - 256 ** -0.5) < 0.1 * 256 ** -0.5
+    assert abs(float(jnp.std(m.w2[...].astype(jnp.float32))) - 128 ** -0.5) < 0.1 * 128 ** -0.5
+    m = make_moe(capacity_factor=1.0)
+    m.gate_bias[...] = jnp.zeros((8,)).at[0].set(10.0)     # every token picks expert 0 first
+    x = jax.random.normal(jax.random.PRNGKey(9), (256, 256), jnp.bfloat16)
+    y, dropped = m(x, return_dropped=True)
+    assert int(dropped) == 256 - m.capacity(256)            # capacity 128 rows for expert 0
+    assert y.shape == (256, 256) and int(m(x, layout="contiguous", return_dropped=True)[1]) == 0
 
 
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
