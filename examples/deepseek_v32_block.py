@@ -39,7 +39,11 @@ from flax import nnx  # noqa: E402
 import jax_dg  # noqa: E402
 from jax_dg import nn, paged  # noqa: E402
 
-MAX_DIFF = 2e-3          # the block's output vs the pure-JAX reference (same FP8 math, other kernels)
+MAX_DIFF = 2e-3          # prefill logits vs the pure-JAX reference (same FP8 math, other kernels)
+# Decode vs prefill for one token: the two paths round differently (the emulation's float32 sums
+# depend on the row count; vmap changes it), and a near-tie top-k pick (an indexer key, an MoE
+# expert) can flip on one ulp. Measured 8.8e-4 (worst row 1.5e-3) at the default size.
+MAX_DECODE_DIFF = 5e-3
 SIZE = dict(dim=256, heads=4, vocab=512, experts=8, topk_experts=2, index_topk=64, seq=64, new=4, batch=2)
 
 
@@ -141,9 +145,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=SIZE["seq"])
     ap.add_argument("--new", type=int, default=SIZE["new"])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--index-topk", type=int, default=SIZE["index_topk"], help="keys the indexer keeps")
     args = ap.parse_args(argv)
     block = Block(SIZE["dim"], SIZE["heads"], SIZE["vocab"], SIZE["experts"], SIZE["topk_experts"],
-                  SIZE["index_topk"], rngs=nnx.Rngs(0))
+                  args.index_topk, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (SIZE["batch"], args.seq), 0, SIZE["vocab"])
     ok = True
 
@@ -164,8 +169,8 @@ def main(argv=None) -> int:
     full, _ = nnx.jit(lambda blk, t: jax.vmap(blk.prefill)(t))(block, jnp.concatenate([tokens, nxt[:, None]], 1))
     lg, *_ = decode_first(block, tokens, nxt)
     diff = jax_dg.calc_diff(lg, full[:, -1])
-    print(f"decode step vs prefill at the same position: calc_diff {diff:.2e} (max {MAX_DIFF:g})")
-    ok &= diff < MAX_DIFF
+    print(f"decode step vs prefill at the same position: calc_diff {diff:.2e} (max {MAX_DECODE_DIFF:g})")
+    ok &= diff < MAX_DECODE_DIFF
 
     losses = train(block, args.steps, args.seq, SIZE["vocab"])
     print("training loss: " + " -> ".join(f"{v:.3f}" for v in losses))

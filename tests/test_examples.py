@@ -43,6 +43,7 @@ def test_deepseek_v32_block_example(capsys):
     import pytest
     pytest.importorskip("flax.nnx")
     example = load("deepseek_v32_block")
-    assert example.main(["--seq", "32", "--new", "2", "--steps", "2"]) == 0
+    # fewer keys kept than the prompt has: the indexer's selection is exercised
+    assert example.main(["--seq", "48", "--new", "2", "--steps", "2", "--index-topk", "16"]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "training loss" in out
