@@ -192,8 +192,13 @@ ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_vie
   } catch (nb::python_error& e) {
     // Type and message only: the closure names the op; Python's traceback (the caller's frames
     // down to XLA's dispatch) would bury that text in the JAX error.
-    std::string text = std::string(nb::str(e.type().attr("__name__")).c_str()) + ": " +
-                       nb::str(e.value()).c_str();
+    std::string text;
+    try {
+      text = std::string(nb::str(e.type().attr("__name__")).c_str()) + ": " +
+             nb::str(e.value()).c_str();
+    } catch (std::exception&) {   // a __str__ that raises: never let it escape the handler
+      text = "jax_dg bridge: the call raised an exception whose message could not be read";
+    }
     return ffi::Error(ffi::ErrorCode::kInternal, text);
   } catch (std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());

@@ -72,3 +72,27 @@ def test_gpu_deep_gemm_out_of_memory_names_the_op_and_the_next_call_works(keys):
         del hog
         torch.cuda.empty_cache()
     assert bits(jax.block_until_ready(f(*args))) == want
+
+
+def test_an_exception_whose_message_cannot_be_read_still_fails_the_call_cleanly(keys, monkeypatch):
+    from jax_dg.backends import torch_emu
+    x = jax.random.normal(keys(), (8, 128), jnp.bfloat16)
+    a, b = jax_dg.per_token_cast_to_fp8(x), jax_dg.per_block_cast_to_fp8(x)
+    real, calls = torch_emu.fp8_gemm_nt, []
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise ValueError("no message")
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Unprintable()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_emu, "fp8_gemm_nt", fails_once)
+    with jax_dg.use_backend("torch"):
+        f = jax.jit(jax_dg.fp8_gemm_nt)
+        with pytest.raises(Exception, match="fp8_gemm_nt|message"):
+            jax.block_until_ready(f(a, b))
+        assert np.isfinite(np.asarray(f(a, b), np.float32)).all()   # the process carries on
