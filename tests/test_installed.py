@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -41,6 +42,11 @@ def test_every_module_the_wheel_ships_imports():
     assert {f.name.split(".")[0] for f in files if f.suffix == ".so"} == {"_bridge", "_native"}
     modules = sorted(".".join(f.with_suffix("").parts).removesuffix(".__init__")
                      for f in files if f.suffix == ".py")
-    assert {"jax_dg.core.op", "jax_dg.operands.paged", "jax_dg.tools.warmup"} <= set(modules)
+    assert {"jax_dg.core.op", "jax_dg.operands.paged", "jax_dg.tools.warmup", "jax_dg.nn.moe"} <= set(modules)
+    has_flax = importlib.util.find_spec("flax") is not None
     for name in modules:
+        if name.startswith("jax_dg.nn") and not has_flax:   # the optional extra: it says so
+            with pytest.raises(ImportError, match=r"jax_dg\[flax\]"):
+                importlib.import_module(name)
+            continue
         assert in_site_packages(importlib.import_module(name).__file__), name
