@@ -157,15 +157,8 @@ def kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_si
 
 @functools.partial(jax.jit, static_argnames=("num_blocks", "block_size"))
 def _kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
-    d = k.shape[1]
-    values, sf = _quantize_rows(k)
-    n = num_blocks * block_size
-    slots = jnp.where((slots >= 0) & (slots < n), slots, n).astype(jnp.int32)
-    v = jnp.zeros((n, d), jnp.uint8).at[slots].set(
-        jax.lax.bitcast_convert_type(values, jnp.uint8), mode="drop")
-    s = jnp.zeros((n,), jnp.float32).at[slots].set(sf, mode="drop")
-    return pack_kv_cache(jax.lax.bitcast_convert_type(v, FP8).reshape(num_blocks, block_size, d),
-                         s.reshape(num_blocks, block_size))
+    empty = jnp.zeros((num_blocks, block_size, 1, k.shape[1] + SCALE_BYTES), jnp.uint8)
+    return _update_kv_cache(empty, k, slots)   # all-zero bytes: value 0, scale 0
 
 
 def update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array) -> jax.Array:
