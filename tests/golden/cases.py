@@ -114,6 +114,7 @@ def _masked_inputs(seed, fp8, groups=3, m_max=128, n=256, k=256):
 
 
 def _operands(t, fp8):
+    """(a, b) as the grouped GEMMs take them, from a case's named arrays (torch or jax)."""
     return ((t["a"], t["sa"]), (t["b"], t["sb"])) if fp8 else (t["a"], t["b"])
 
 
@@ -138,10 +139,6 @@ def _masked_dg(fp8):
         d[torch.arange(m_max, device="cuda")[None, :] >= t["masked_m"][:, None]] = 0
         return (d,)
     return call
-
-
-def _pair(a, fp8):
-    return ((a["a"], a["sa"]), (a["b"], a["sb"])) if fp8 else (a["a"], a["b"])
 
 
 def _mqa_inputs(seed, s=128, sk=512, h=32, d=64):
@@ -226,13 +223,13 @@ CASES = (
     Case("bf16_gemm_nt", _bf16_gemm_inputs, _bf16_gemm_dg,
          lambda a: (jax_dg.bf16_gemm_nt(a["a"], a["b"]),), 1e-5, seed=3),
     Case("m_grouped_fp8_gemm_nt_contiguous", lambda s: _contiguous_inputs(s, True), _contiguous_dg(True),
-         lambda a: (jax_dg.m_grouped_fp8_gemm_nt_contiguous(*_pair(a, True), a["layout"]),), 1e-6, seed=4),
+         lambda a: (jax_dg.m_grouped_fp8_gemm_nt_contiguous(*_operands(a, True), a["layout"]),), 1e-6, seed=4),
     Case("m_grouped_bf16_gemm_nt_contiguous", lambda s: _contiguous_inputs(s, False), _contiguous_dg(False),
-         lambda a: (jax_dg.m_grouped_bf16_gemm_nt_contiguous(*_pair(a, False), a["layout"]),), 1e-5, seed=5),
+         lambda a: (jax_dg.m_grouped_bf16_gemm_nt_contiguous(*_operands(a, False), a["layout"]),), 1e-5, seed=5),
     Case("m_grouped_fp8_gemm_nt_masked", lambda s: _masked_inputs(s, True), _masked_dg(True),
-         lambda a: (jax_dg.m_grouped_fp8_gemm_nt_masked(*_pair(a, True), a["masked_m"], 128),), 1e-6, seed=6),
+         lambda a: (jax_dg.m_grouped_fp8_gemm_nt_masked(*_operands(a, True), a["masked_m"], 128),), 1e-6, seed=6),
     Case("m_grouped_bf16_gemm_nt_masked", lambda s: _masked_inputs(s, False), _masked_dg(False),
-         lambda a: (jax_dg.m_grouped_bf16_gemm_nt_masked(*_pair(a, False), a["masked_m"], 128),), 1e-5,
+         lambda a: (jax_dg.m_grouped_bf16_gemm_nt_masked(*_operands(a, False), a["masked_m"], 128),), 1e-5,
          seed=7),
     Case("fp8_fp4_mqa_logits", _mqa_inputs, _mqa_dg,
          lambda a: (jax_dg.mqa_logits((a["q"], None), (a["kv"], a["skv"]), a["w"], a["ks"], a["ke"]),), 5e-6,
