@@ -42,7 +42,7 @@ from jax_dg import nn, paged  # noqa: E402
 MAX_DIFF = 2e-3          # prefill logits vs the pure-JAX reference (same FP8 math, other kernels)
 # Decode vs prefill for one token: the two paths round differently (the emulation's float32 sums
 # depend on the row count; vmap changes it), and a near-tie top-k pick (an indexer key, an MoE
-# expert) can flip on one ulp. Measured 8.8e-4 (worst row 1.5e-3) at the default size.
+# expert) can flip on one ulp. Measured 2.3e-4 at the default size.
 MAX_DECODE_DIFF = 5e-3
 SIZE = dict(dim=256, heads=4, vocab=512, experts=8, topk_experts=2, index_topk=64, seq=64, new=4, batch=2)
 
@@ -67,12 +67,11 @@ class Block(nnx.Module):
         s = jnp.where((idx >= 0)[:, None, :], s, -jnp.inf)
         return jnp.einsum("thk,tkhd->thd", jax.nn.softmax(s, axis=-1), vv.astype(jnp.float32))
 
-    def _mix(self, x, qr, idx, k_all, v_all):
-        t = x.shape[0]
-        q = self.wq_b(qr).reshape(t, self.heads, self.hd)
-        o = self._attend(q, k_all, v_all, idx).reshape(t, -1).astype(jnp.bfloat16)
+    def _after_attention(self, x, o):
+        """The attention's output projection and the MoE, each added to the residual x [T, dim]."""
+        o = o.reshape(x.shape[0], -1).astype(jnp.bfloat16)
         x = (x.astype(jnp.float32) + self.wo(o).astype(jnp.float32)).astype(jnp.bfloat16)
-        return (x.astype(jnp.float32) + self.moe(self.norm2(x).astype(jnp.bfloat16)).astype(jnp.float32))
+        return x.astype(jnp.float32) + self.moe(self.norm2(x).astype(jnp.bfloat16)).astype(jnp.float32)
 
     def prefill(self, tokens):
         """Logits [T, vocab] of one sequence, causal; and what decode caches (indexer keys, K, V)."""
@@ -81,7 +80,8 @@ class Block(nnx.Module):
         qr = self.wq_a(h)
         idx, keys = self.indexer.prefill(h, qr)
         kv = self.wkv(h).reshape(x.shape[0], 2, self.heads, self.hd)
-        y = self._mix(x, qr, idx, kv[:, 0], kv[:, 1])
+        q = self.wq_b(qr).reshape(x.shape[0], self.heads, self.hd)
+        y = self._after_attention(x, self._attend(q, kv[:, 0], kv[:, 1], idx))
         return self.head(y.astype(jnp.bfloat16)), (keys, kv[:, 0], kv[:, 1])
 
     def decode_step(self, tokens, cache, k_all, v_all):
@@ -96,22 +96,27 @@ class Block(nnx.Module):
         k_all, v_all = k_all.at[b, pos].set(kv[:, 0]), v_all.at[b, pos].set(kv[:, 1])
         q = self.wq_b(qr).reshape(-1, self.heads, self.hd)
         o = jax.vmap(lambda q, k, v, i: self._attend(q[None], k, v, i[None])[0])(q, k_all, v_all, idx)
-        x = (x.astype(jnp.float32) + self.wo(o.reshape(x.shape[0], -1).astype(jnp.bfloat16)).astype(jnp.float32))
-        y = x + self.moe(self.norm2(x.astype(jnp.bfloat16)).astype(jnp.bfloat16)).astype(jnp.float32)
+        y = self._after_attention(x, o)   # as prefill: the same roundings on both paths
         return self.head(y.astype(jnp.bfloat16)), cache, k_all, v_all
+
+
+def prefill_cache(block, tokens, total: int, block_size: int = 64):
+    """Prefill `tokens` [B, S] (each sequence on its own): (logits [B, S, vocab], the indexer's
+    paged cache and the attention's K and V [B, total, H, hd], with room up to `total` tokens)."""
+    b, s = tokens.shape
+    logits, (keys, ks, vs) = jax.vmap(lambda t: block.prefill(t))(tokens)
+    tables, nb = paged.build_block_tables(np.full(b, total), block_size)
+    cache = nn.IndexerCache(paged.kv_cache_from_sequences(keys, tables, block_size, nb), tables,
+                            jnp.full((b,), s, jnp.int32))
+    room = lambda a: jnp.zeros((b, total) + a.shape[2:], a.dtype).at[:, :s].set(a)  # noqa: E731
+    return logits, cache, room(ks), room(vs)
 
 
 def decode(block, tokens, new: int, block_size: int = 64):
     """Prefill `tokens` [B, S] (each sequence on its own), then `new` greedy tokens per sequence in
     one jitted lax.fori_loop. Returns (prefill logits [B, S, vocab], generated [B, new])."""
     b, s = tokens.shape
-    logits, (keys, ks, vs) = jax.vmap(lambda t: block.prefill(t))(tokens)
-    total = s + new
-    tables, nb = paged.build_block_tables(np.full(b, total), block_size)
-    kv_cache = paged.kv_cache_from_sequences(keys, tables, block_size, nb)
-    cache = nn.IndexerCache(kv_cache, tables, jnp.full((b,), s, jnp.int32))
-    k_all = jnp.zeros((b, total) + ks.shape[2:], ks.dtype).at[:, :s].set(ks)
-    v_all = jnp.zeros((b, total) + vs.shape[2:], vs.dtype).at[:, :s].set(vs)
+    logits, cache, k_all, v_all = prefill_cache(block, tokens, s + new, block_size)
     out = jnp.zeros((b, new), jnp.int32)
     first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
 
@@ -182,13 +187,8 @@ def main(argv=None) -> int:
 @nnx.jit
 def decode_first(block, tokens, nxt):
     """The decode step of token nxt [B] after prefilling `tokens` [B, S] (its logits first)."""
-    b, s = tokens.shape
-    _, (keys, ks, vs) = jax.vmap(lambda t: block.prefill(t))(tokens)
-    tables, nb = paged.build_block_tables(np.full(b, s + 1), 64)
-    cache = nn.IndexerCache(paged.kv_cache_from_sequences(keys, tables, 64, nb), tables,
-                            jnp.full((b,), s, jnp.int32))
-    pad = lambda a: jnp.concatenate([a, jnp.zeros_like(a[:, :1])], axis=1)  # noqa: E731
-    return block.decode_step(nxt, cache, pad(ks), pad(vs))
+    _, cache, k_all, v_all = prefill_cache(block, tokens, tokens.shape[1] + 1)
+    return block.decode_step(nxt, cache, k_all, v_all)
 
 
 if __name__ == "__main__":
