@@ -24,25 +24,32 @@ def mqa_inputs(keys, s=128, sk=512, h=32, d=64):
     return (q, None), kv, w, ks, ke
 
 
-def test_torch_out_of_memory_becomes_a_jax_error_naming_the_op(keys, monkeypatch):
-    import torch
+def fails_once_then_runs(keys, monkeypatch, error: Exception, match: str) -> None:
+    """fp8_gemm_nt through the bridge (torch emulation) whose kernel raises `error` once: the
+    call fails with a JAX error matching `match`, and the next call runs."""
     from jax_dg.backends import torch_emu
     x = jax.random.normal(keys(), (8, 128), jnp.bfloat16)
     a, b = jax_dg.per_token_cast_to_fp8(x), jax_dg.per_block_cast_to_fp8(x)
     real, calls = torch_emu.fp8_gemm_nt, []
 
-    def short_of_memory(*args, **kwargs):
+    def once(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+            raise error
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_emu, "fp8_gemm_nt", short_of_memory)
+    monkeypatch.setattr(torch_emu, "fp8_gemm_nt", once)
     with jax_dg.use_backend("torch"):
         f = jax.jit(jax_dg.fp8_gemm_nt)
-        with pytest.raises(Exception, match=ADVICE.format(op="fp8_gemm_nt")):
+        with pytest.raises(Exception, match=match):
             jax.block_until_ready(f(a, b))
-        assert np.isfinite(np.asarray(f(a, b), np.float32)).all()
+        assert np.isfinite(np.asarray(f(a, b), np.float32)).all()   # the process carries on
+
+
+def test_torch_out_of_memory_becomes_a_jax_error_naming_the_op(keys, monkeypatch):
+    import torch
+    fails_once_then_runs(keys, monkeypatch, torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 MiB"), ADVICE.format(op="fp8_gemm_nt"))
 
 
 def fill_torch_memory() -> list:
@@ -75,24 +82,7 @@ def test_gpu_deep_gemm_out_of_memory_names_the_op_and_the_next_call_works(keys):
 
 
 def test_an_exception_whose_message_cannot_be_read_still_fails_the_call_cleanly(keys, monkeypatch):
-    from jax_dg.backends import torch_emu
-    x = jax.random.normal(keys(), (8, 128), jnp.bfloat16)
-    a, b = jax_dg.per_token_cast_to_fp8(x), jax_dg.per_block_cast_to_fp8(x)
-    real, calls = torch_emu.fp8_gemm_nt, []
-
     class Unprintable(Exception):
         def __str__(self):
             raise ValueError("no message")
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise Unprintable()
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch_emu, "fp8_gemm_nt", fails_once)
-    with jax_dg.use_backend("torch"):
-        f = jax.jit(jax_dg.fp8_gemm_nt)
-        with pytest.raises(Exception, match="fp8_gemm_nt|message"):
-            jax.block_until_ready(f(a, b))
-        assert np.isfinite(np.asarray(f(a, b), np.float32)).all()   # the process carries on
+    fails_once_then_runs(keys, monkeypatch, Unprintable(), "fp8_gemm_nt|message")
