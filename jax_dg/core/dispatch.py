@@ -52,7 +52,7 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
     how = _resolve(op, given, t, requested)
     # Checked last: a call that cannot run for another reason (the architecture, deep_gemm
     # missing) says that reason, which holds with the kernels built too.
-    if how.runs != "raises" and how.runs != "xla" and t.platform == "cuda" and op.own_kernels \
+    if how.runs not in ("raises", "xla") and t.platform == "cuda" and op.own_kernels \
             and not native.cuda_built():
         return Dispatch("raises", "jax_dg's CUDA kernels were not built", error=RuntimeError(
             f"jax_dg: `{op.name}` runs jax_dg's own CUDA kernel(s) {', '.join(op.own_kernels)}, "
