@@ -1,334 +1,390 @@
 // jax_dg's own CUDA kernel: exact per-row top-k of float32 logits (the indexer's selection).
 //
-// One CTA per row. A radix select over the order-preserving uint32 key of each float finds
-// the k-th largest key in at most four 8-bit passes over the row (each pass only counts keys
-// that share the digits found so far). Rows of up to 40960 keys are read from global memory
-// once and staged in shared memory; longer rows are re-read (from L2) by each pass. Then one
-// pass collects, in column order, the keys above that threshold and the first keys equal to
-// it. Sorted, a bitonic sort orders them by value descending, index ascending on ties
-// (lax.top_k's documented order): its stages with step < 64 in registers (warp shuffles), the
-// wider ones in shared memory. Unsorted, the same set stays in column order
-// (no sort). Either way the result is the same on every run.
+// A row is split over a cluster of C CTAs (C = 1, 2, 4 or 8; Hopper thread-block clusters):
+// each thread holds kItems keys of the row in registers (groups of 4 consecutive columns,
+// striped over the CTA so that every load is coalesced), read from global memory once. A
+// radix select over the order-preserving uint32 key of each float then finds the k-th
+// largest key in at most three passes over those registers (digits of 11, 11 and 10 bits, most
+// significant first; each pass counts only the keys that share the digits found so far): each
+// CTA counts its keys into a shared-memory histogram, the cluster's histograms are summed
+// through distributed shared memory, and every CTA takes the same bin. Most rows stop after
+// two passes, when the bin that holds the k-th key is taken whole.
+//
+// Then every selected key gets its slot from one block-wide scan of (keys above the threshold,
+// keys equal to it) counts, in column order: the keys above it and the first `need` equal to it.
+// Unsorted, each CTA writes its columns straight to the output in column order. Sorted, the
+// cluster gathers the (key, column) pairs in its first CTA, which sorts them with CUB's stable
+// block radix sort (value descending; equal values keep column order: lax.top_k's order). No
+// atomics decide a slot: the result is the same on every run.
 //
 // Candidates of row r: columns c with lo[r] <= c < hi[r] (all when lo/hi are null), c < cols,
 // and logits > -inf (NaN is not a candidate). Slots past the number of candidates get -1.
+// Rows longer than a cluster holds (8 * 512 * 32 = 131072 keys) go to kernels/topk_long.cu.
 
+#include <cooperative_groups.h>
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cstdint>
 #include <cuda_runtime.h>
 
+namespace cg = cooperative_groups;
+
+int JaxDgTopkLongRows(const float* logits, int64_t stride, const int* lo, const int* hi, int rows,
+                      int cols, int k, int sorted, int* out, cudaStream_t stream);
+
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
-constexpr int kBins = 256;
-constexpr int kHistCopies = 8;   // histogram copies (4 warps each) to spread atomics
-constexpr unsigned kFull = 0xffffffffu;
-constexpr int kMaxCached = 40960;   // keys (160 KiB) of a row staged in shared memory
+constexpr int kThreads = 512;
+constexpr int kBins = 2048;                 // 11-bit digits
+constexpr int kBinsPerThread = kBins / kThreads;
+constexpr int kMaxCluster = 8;              // portable cluster size
+constexpr int kMaxK = 4096;
 
 __device__ __forceinline__ uint32_t OrderKey(float v) {
   uint32_t u = __float_as_uint(v);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The row's candidate keys: from shared memory when the row was staged there, else from
-// global memory (L2 after the first pass). 0 marks a non-candidate (every candidate's key is
-// >= OrderKey(-FLT_MAX) > 0).
-struct Row {
-  const float* x;
-  const uint32_t* cache;   // nullptr: not staged
-  int begin, end;
-  __device__ __forceinline__ uint32_t Key(int i) const {
-    if (cache != nullptr) return cache[i - begin];
-    const float v = x[i];
-    return v > -INFINITY ? OrderKey(v) : 0u;
-  }
+using Scan = cub::BlockScan<uint32_t, kThreads>;
+
+template <int kItems>
+struct SelectShared {
+  float4 stage[kThreads * kItems / 4];   // a warp's coalesced loads, handed out per lane
+  uint32_t hist[2][kBins];   // two, alternating by pass: peers may still read the last one
+  typename Scan::TempStorage scan;
+  uint32_t cta_total;        // packed (above | equal << 16) of this CTA, read by later ranks
+  int bin, above, count;     // FindBin's result, written by one thread
 };
 
-// (key, idx) a goes before b: larger key first, then the smaller index.
-__device__ __forceinline__ bool Before(uint32_t ka, int ia, uint32_t kb, int ib) {
-  return ka > kb || (ka == kb && ia < ib);
-}
+template <int kItems, int kSortItems>
+struct Shared : SelectShared<kItems> {
+  using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, int>;
+  uint32_t key[kThreads * kSortItems];   // the selected (key, column) pairs, in column order
+  int col[kThreads * kSortItems];
+  typename Sort::TempStorage sort;
+};
+template <int kItems>
+struct Shared<kItems, 0> : SelectShared<kItems> {
+  int col[kMaxK];   // the selected columns, in column order: written out coalesced
+};
 
-// Compare-exchange of one register slot with lane (lane ^ step)'s: slot index i, in a bitonic
-// run of `size` (our order where i & size == 0, reversed elsewhere).
-__device__ __forceinline__ void ShuffleStage(uint32_t& key, int& idx, int i, int lane, int step,
-                                             int size) {
-  const uint32_t pk = __shfl_xor_sync(0xffffffffu, key, step);
-  const int pi = __shfl_xor_sync(0xffffffffu, idx, step);
-  const bool lower = (lane & step) == 0;
-  const bool down = (i & size) == 0;
-  // The lower slot takes the element that goes first in this run's direction.
-  if ((lower == down) != Before(key, idx, pk, pi)) {
-    key = pk;
-    idx = pi;
+// Threads of the CTA, or of the whole cluster, wait for each other (with memory ordering).
+__device__ __forceinline__ void Sync(int cluster_size) {
+  if (cluster_size > 1) {
+    cg::this_cluster().sync();
+  } else {
+    __syncthreads();
   }
 }
 
-// The bitonic stages with step < 64 of the sizes from `first` to min(64, first) .. : with
-// first == 2, sizes 2..64 entirely; else the steps 32..1 of size `first`. Warp w sorts the
-// 64-slot windows w, w + kWarps, ... in registers.
-__device__ __forceinline__ void SortWindows(uint32_t* skey, int* sidx, int windows, int warp,
-                                            int lane, int first) {
-  for (int w = warp; w < windows; w += kWarps) {
-    const int base = 64 * w;
-    uint32_t k0 = skey[base + lane], k1 = skey[base + 32 + lane];
-    int i0 = sidx[base + lane], i1 = sidx[base + 32 + lane];
-    const int last = first == 2 ? 64 : first;
-    for (int size = first; size <= last; size <<= 1) {
-      int step = size >> 1;
-      if (step > 32) step = 32;
-      for (; step > 0; step >>= 1) {
-        if (step == 32) {   // slots l and l + 32: both in this lane
-          const bool down = ((base + lane) & size) == 0;
-          if (Before(k0, i0, k1, i1) != down) {
-            const uint32_t tk = k0; k0 = k1; k1 = tk;
-            const int ti = i0; i0 = i1; i1 = ti;
-          }
-        } else {
-          ShuffleStage(k0, i0, base + lane, lane, step, size);
-          ShuffleStage(k1, i1, base + 32 + lane, lane, step, size);
-        }
-      }
+template <typename T>
+__device__ __forceinline__ T* InRank(T* p, int rank, int cluster_size) {
+  return cluster_size > 1 ? cg::this_cluster().map_shared_rank(p, rank) : p;
+}
+
+// Which side of the threshold (prefix under mask) a key is on: 0 not taken (or not a candidate),
+// 1 above it (taken), 1 << 16 equal to it (the first `need` of those are taken).
+__device__ __forceinline__ uint32_t Side(uint32_t key, uint32_t prefix, uint32_t mask) {
+  const uint32_t m = key & mask;
+  return key == 0 ? 0u : m > prefix ? 1u : m == prefix ? 1u << 16 : 0u;
+}
+
+struct Found {
+  uint32_t total;   // candidates counted
+  int bin, above, count;   // the bin of the need-th largest, the count above it and in it
+};
+
+// The bin of the need-th largest counted key (need <= total), from every CTA's histogram
+// (summed over the cluster, read through distributed shared memory). Every thread (and every
+// CTA of the cluster) returns the same.
+template <typename S>
+__device__ __forceinline__ Found FindBin(S& sh, uint32_t* hist, int need, int rank,
+                                      int cluster_size) {
+  const int tid = threadIdx.x;
+  Sync(cluster_size);   // every CTA's histogram is complete
+  uint32_t c[kBinsPerThread], sum = 0;   // this thread's bins, highest first
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) c[j] = hist[kBins - 1 - (tid * kBinsPerThread + j)];
+  if (cluster_size > 1) {
+    for (int r = 1; r < cluster_size; ++r) {
+      const uint32_t* h = cg::this_cluster().map_shared_rank(hist, (rank + r) % cluster_size);
+#pragma unroll
+      for (int j = 0; j < kBinsPerThread; ++j) c[j] += h[kBins - 1 - (tid * kBinsPerThread + j)];
     }
-    skey[base + lane] = k0;
-    skey[base + 32 + lane] = k1;
-    sidx[base + lane] = i0;
-    sidx[base + 32 + lane] = i1;
   }
-}
-
-__global__ void __launch_bounds__(kThreads)
-TopkRowsKernel(const float* __restrict__ logits, int64_t stride, const int* __restrict__ lo,
-               const int* __restrict__ hi, int cols, int k, int k_slots, int cache_cap,
-               bool sorted, int* __restrict__ out) {
-  extern __shared__ uint32_t smem[];
-  uint32_t* hist = smem;                                 // kHistCopies * kBins
-  uint32_t* skey = smem + kHistCopies * kBins;           // k_slots
-  int* sidx = reinterpret_cast<int*>(skey + k_slots);     // k_slots
-  uint32_t* cache = skey + 2 * k_slots;                   // cache_cap keys of the row
-  __shared__ uint32_t s_prefix, s_mask;
-  __shared__ int s_need, s_gt, s_eq_base, s_done, s_stop;
-  __shared__ int s_bin, s_above, s_bin_count, s_total;
-  __shared__ int warp_sums[kWarps];
-
-  const int row = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  Row r;
-  r.x = logits + static_cast<int64_t>(row) * stride;
-  r.begin = lo ? max(lo[row], 0) : 0;
-  r.end = hi ? min(hi[row], cols) : cols;
-  if (r.end < r.begin) r.end = r.begin;
-  r.cache = nullptr;
-  if (r.end - r.begin <= cache_cap) {   // stage the row once: later passes read shared memory
-#pragma unroll 8
-    for (int i = r.begin + tid; i < r.end; i += kThreads) cache[i - r.begin] = r.Key(i);
-    r.cache = cache;
-  }
-
-  if (tid == 0) {
-    s_prefix = 0;
-    s_mask = 0;
-    s_need = k;
-    s_done = 0;
-    s_stop = 0;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) sum += c[j];
+  uint32_t before, total;
+  Scan(sh.scan).ExclusiveSum(sum, before, total);
+  const uint32_t want = static_cast<uint32_t>(need);
+  if (before < want && want <= before + sum) {   // one thread: the bin of the need-th key
+    uint32_t acc = before;
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      if (acc + c[j] >= want) {
+        sh.bin = kBins - 1 - (tid * kBinsPerThread + j);
+        sh.above = static_cast<int>(acc);
+        sh.count = static_cast<int>(c[j]);
+        break;
+      }
+      acc += c[j];
+    }
   }
   __syncthreads();
+  const Found f{total, sh.bin, sh.above, sh.count};
+  __syncthreads();   // sh.bin and sh.scan are written again by the next call
+  return f;
+}
 
-  // --- radix select: the digits of the k-th largest key, most significant first -----------
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < kHistCopies * kBins; i += kThreads) hist[i] = 0;
-    __syncthreads();
-    const uint32_t prefix = s_prefix, mask = s_mask;
-    uint32_t* my_hist = hist + (warp % kHistCopies) * kBins;
-#pragma unroll 4
-    for (int base = r.begin; base < r.end; base += kThreads) {   // warp-uniform trip count
-      const int i = base + tid;
-      uint32_t bin = kBins;   // not counted
-      if (i < r.end) {
-        const uint32_t key = r.Key(i);
-        if (key != 0 && (key & mask) == prefix) bin = (key >> shift) & (kBins - 1);
-      }
-      const unsigned peers = __match_any_sync(kFull, bin);
-      if (bin < kBins && lane == __ffs(peers) - 1) atomicAdd(&my_hist[bin], __popc(peers));
-    }
-    __syncthreads();
-    if (warp == 0) {   // which bin holds the need-th largest: a scan from the top bin down
-      uint32_t c[8], sum = 0;
+// kItems keys per thread (a multiple of 4); kSortItems: 0 unsorted, else the sort's items per
+// thread (kThreads * kSortItems >= k). vec: logits and stride allow 16-byte loads.
+template <int kItems, int kSortItems>
+__global__ void __launch_bounds__(kThreads, kItems <= 16 ? 2 : 1)
+TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restrict__ lo,
+           const int* __restrict__ hi, int cols, int k, int cluster_size, bool vec,
+           int* __restrict__ out) {
+  constexpr int kChunks = kItems / 4;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sh = *reinterpret_cast<Shared<kItems, kSortItems>*>(smem_raw);
+  const int tid = threadIdx.x;
+  const int rank = cluster_size > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const int row = blockIdx.x / cluster_size;
+  const float* x = logits + static_cast<int64_t>(row) * stride;
+  const int begin = lo ? max(lo[row], 0) : 0;
+  const int end = max(hi ? min(hi[row], cols) : cols, begin);
+
+  // --- this thread's keys (0: not a candidate): columns first .. first + kItems - 1. A warp
+  // loads its 32 * kItems columns coalesced (lane l: float4 number v * 32 + l) into shared
+  // memory and each lane takes its kItems consecutive ones back (float4 number q is stored at
+  // q ^ ((q >> 3) & 7): no bank conflict either way).
+  const int lane = tid & 31;
+  const int seg = rank * kThreads * kItems + (tid - lane) * kItems;   // the warp's first column
+  const int first = seg + lane * kItems;
+  float4* stage = sh.stage + (tid - lane) * kChunks;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int b = kBins - 1 - lane * 8 - j;
-        uint32_t t = 0;
-#pragma unroll
-        for (int h = 0; h < kHistCopies; ++h) t += hist[h * kBins + b];
-        c[j] = t;
-        sum += t;
-      }
-      uint32_t inc = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(kFull, inc, o);
-        if (lane >= o) inc += t;
-      }
-      const uint32_t exc = inc - sum;
-      const uint32_t need = static_cast<uint32_t>(s_need);
-      if (lane == 31) s_total = static_cast<int>(inc);
-      if (exc < need && need <= inc) {
-        uint32_t acc = exc;
-        for (int j = 0; j < 8; ++j) {
-          if (acc + c[j] >= need) {
-            s_bin = kBins - 1 - lane * 8 - j;
-            s_above = static_cast<int>(acc);
-            s_bin_count = static_cast<int>(c[j]);
-            break;
-          }
-          acc += c[j];
-        }
-      }
-    }
-    __syncthreads();
-    if (tid == 0) {
-      if (shift == 24 && s_total <= k) {   // k or fewer candidates: take them all
-        s_need = s_total;
-        s_done = 1;
+  for (int v = 0; v < kChunks; ++v) {
+    const int q = v * 32 + lane;
+    const int c = seg + 4 * q;
+    float4 f = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+    if (c < end && c + 4 > begin) {
+      if (vec) {   // c + 3 < stride: c < cols <= stride, both multiples of 4
+        f = __ldg(reinterpret_cast<const float4*>(x + c));
       } else {
-        s_need -= s_above;
-        s_prefix |= static_cast<uint32_t>(s_bin) << shift;
-        s_mask |= static_cast<uint32_t>(kBins - 1) << shift;
-        if (s_bin_count == s_need) s_done = 1;   // the whole bin is taken: no ties to cut
+        if (c >= begin && c < end) f.x = __ldg(x + c);
+        if (c + 1 >= begin && c + 1 < end) f.y = __ldg(x + c + 1);
+        if (c + 2 >= begin && c + 2 < end) f.z = __ldg(x + c + 2);
+        if (c + 3 >= begin && c + 3 < end) f.w = __ldg(x + c + 3);
       }
     }
-    __syncthreads();
-    if (s_done) break;
+    stage[q ^ ((q >> 3) & 7)] = f;
   }
-
-  // --- collect, in column order: every key above the threshold and the first `need` equal
-  // to it. An element's slot is (keys above it before it) + min(equal keys before it, need):
-  // one packed block scan per chunk of kThreads columns, no atomics, the same every run.
-  const uint32_t prefix = s_prefix, mask = s_mask;
-  const int need = s_need;
-  const int n_gt = mask == 0 ? 0 : k - need;   // mask 0: every candidate counts as "equal"
-  if (sorted) {
-    for (int i = tid; i < k_slots; i += kThreads) {
-      skey[i] = 0;            // sorts after every candidate
-      sidx[i] = 0x7fffffff;
-    }
-  }
-  if (tid == 0) {
-    s_gt = 0;
-    s_eq_base = 0;
-  }
-  __syncthreads();
-  const unsigned lanes_below = (1u << lane) - 1;
-  for (int base = r.begin; base < r.end; base += kThreads) {
-    const int i = base + tid;
-    uint32_t key = 0;
-    if (i < r.end) key = r.Key(i);
-    const uint32_t m = key & mask;
-    const bool gt = key != 0 && m > prefix;
-    const bool eq = key != 0 && m == prefix;
-    const unsigned gt_ballot = __ballot_sync(kFull, gt);
-    const unsigned eq_ballot = __ballot_sync(kFull, eq);
-    if (lane == 0) warp_sums[warp] = __popc(gt_ballot) | (__popc(eq_ballot) << 16);
-    __syncthreads();
-    if (warp == 0) {   // exclusive scan of the warps' packed (above, equal) counts
-      const int c = warp_sums[lane];
-      int inc = c;
+  __syncwarp();
+  uint32_t key[kItems];
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(kFull, inc, o);
-        if (lane >= o) inc += t;
-      }
-      warp_sums[lane] = inc - c;
-      if (lane == 31) s_total = inc;
+  for (int v = 0; v < kChunks; ++v) {
+    const int q = lane * kChunks + v;
+    const float4 f4 = stage[q ^ ((q >> 3) & 7)];
+    const float f[4] = {f4.x, f4.y, f4.z, f4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = first + 4 * v + e;
+      key[4 * v + e] = c >= begin && c < end && f[e] > -INFINITY ? OrderKey(f[e]) : 0u;
     }
-    __syncthreads();
-    if (gt || eq) {
-      const int before = warp_sums[warp];
-      const int gt_before = s_gt + (before & 0xffff) + __popc(gt_ballot & lanes_below);
-      const int eq_before = s_eq_base + (before >> 16) + __popc(eq_ballot & lanes_below);
-      if (gt || eq_before < need) {
-        const int pos = gt_before + min(eq_before, need);
-        skey[pos] = key;
-        sidx[pos] = i;
-      }
-    }
-    __syncthreads();
-    if (tid == 0) {   // decided by one thread, read by all after the barrier
-      s_gt += s_total & 0xffff;
-      s_eq_base += s_total >> 16;
-      s_stop = s_eq_base >= need && s_gt >= n_gt;
-    }
-    __syncthreads();
-    if (s_stop) break;   // all found
-  }
-  __syncthreads();
-  const int selected = n_gt + need;
-  int* o = out + static_cast<int64_t>(row) * k;
-  if (!sorted) {   // column order
-    for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sidx[t] : -1;
-    return;
   }
 
-  // --- bitonic sort of the slots: value descending, index ascending -----------------------
-  // Stages whose step is < 64 stay inside a 64-slot window: a warp runs them in registers
-  // (lane l holds window slots l and l + 32; shuffles exchange). Only the stages with a
-  // step >= 64 go through shared memory, one pair per thread, with block barriers.
-  const int windows = k_slots / 64;
-  SortWindows(skey, sidx, windows, warp, lane, 2);   // sizes 2..64 entirely in registers
-  __syncthreads();
-  for (int size = 128; size <= k_slots; size <<= 1) {
-    for (int step = size >> 1; step >= 64; step >>= 1) {
-      for (int t = tid; t < (k_slots >> 1); t += kThreads) {
-        const int a = 2 * t - (t & (step - 1));
-        const int b = a + step;
-        const bool down = (a & size) == 0;   // this run sorts in our order, else reversed
-        if (Before(skey[a], sidx[a], skey[b], sidx[b]) != down) {
-          const uint32_t tk = skey[a];
-          skey[a] = skey[b];
-          skey[b] = tk;
-          const int ti = sidx[a];
-          sidx[a] = sidx[b];
-          sidx[b] = ti;
-        }
-      }
-      __syncthreads();
-    }
-    SortWindows(skey, sidx, windows, warp, lane, size);   // this size's steps 32..1
+  // --- radix select: the digits of the k-th largest key (11, 11, 10 bits) ------------------
+  uint32_t prefix = 0, mask = 0;   // the digits found so far
+  int above = 0;                   // keys certainly taken (above the digits found)
+  int need = k;                    // taken among the keys that match them: the first need
+#pragma unroll 1
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+    const uint32_t digit = pass == 2 ? 0x3ffu : 0x7ffu;
+    uint32_t* hist = sh.hist[pass & 1];
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
     __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      if (key[j] != 0 && (key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & digit], 1u);
+    }
+    const Found f = FindBin(sh, hist, need, rank, cluster_size);
+    if (pass == 0 && f.total <= static_cast<uint32_t>(k)) {   // every candidate is taken
+      above = static_cast<int>(f.total);
+      need = 0;
+      mask = 0xffffffffu;
+      prefix = 0;   // every candidate's key is above 0
+      break;
+    }
+    above += f.above;
+    need -= f.above;
+    prefix |= static_cast<uint32_t>(f.bin) << shift;
+    mask |= digit << shift;
+    if (f.count == need) break;   // the whole bin is taken: no tie to cut
   }
-  __syncthreads();
-  for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sidx[t] : -1;
+
+  // --- slots, in column order: keys above the threshold, and the first `need` equal to it ----
+  const int selected = above + need;
+  uint32_t mine = 0;   // packed (above | equal << 16) among this thread's keys
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) mine += Side(key[j], prefix, mask);
+  uint32_t packed, cta_total;
+  Scan(sh.scan).ExclusiveSum(mine, packed, cta_total);   // FindBin ended with a barrier
+  if (cluster_size > 1) {   // add the lower ranks' counts
+    if (tid == 0) sh.cta_total = cta_total;
+    Sync(cluster_size);
+  }
+  int n_above = static_cast<int>(packed & 0xffff), equal = static_cast<int>(packed >> 16);
+  for (int r = 0; r < rank; ++r) {   // unpacked: a whole row's equal keys may pass 65535
+    const uint32_t t = *cg::this_cluster().map_shared_rank(&sh.cta_total, r);
+    n_above += static_cast<int>(t & 0xffff);
+    equal += static_cast<int>(t >> 16);
+  }
+  // The cluster's first CTA gathers the selected columns (and keys, to sort), then writes the
+  // row's output coalesced.
+  int* scol = InRank(sh.col, 0, cluster_size);
+  uint32_t* skey = nullptr;
+  if constexpr (kSortItems > 0) skey = InRank(sh.key, 0, cluster_size);
+  int* o = out + static_cast<int64_t>(row) * k;
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const uint32_t side = Side(key[j], prefix, mask);
+    int slot = -1;
+    if (side == 1) {
+      slot = n_above + min(equal, need);
+      ++n_above;
+    } else if (side != 0) {
+      if (equal < need) slot = n_above + equal;
+      ++equal;
+    }
+    if (slot >= 0) {
+      if constexpr (kSortItems > 0) skey[slot] = key[j];
+      scol[slot] = first + j;
+    }
+  }
+
+  if constexpr (kSortItems == 0) {
+    Sync(cluster_size);   // every slot is written (and peers are done reading sh.cta_total)
+    if (rank != 0) return;
+    for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sh.col[t] : -1;
+  } else {
+    constexpr int kSlots = kThreads * kSortItems;
+    if (rank == 0) {
+      for (int t = selected + tid; t < kSlots; t += kThreads) {
+        sh.key[t] = 0;   // below every candidate: sorts last
+        sh.col[t] = -1;
+      }
+    }
+    Sync(cluster_size);
+    if (rank != 0) return;
+    uint32_t keys[kSortItems];
+    int cols_[kSortItems];
+#pragma unroll
+    for (int i = 0; i < kSortItems; ++i) {
+      keys[i] = sh.key[tid * kSortItems + i];
+      cols_[i] = sh.col[tid * kSortItems + i];
+    }
+    typename Shared<kItems, kSortItems>::Sort(sh.sort).SortDescendingBlockedToStriped(keys, cols_);
+#pragma unroll
+    for (int i = 0; i < kSortItems; ++i) {
+      const int t = i * kThreads + tid;
+      if (t < k) o[t] = cols_[i];
+    }
+  }
+}
+
+template <int kItems, int kSortItems>
+int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, int rows, int cols,
+           int k, int cluster_size, bool vec, int* out, cudaStream_t stream) {
+  auto* kernel = TopkKernel<kItems, kSortItems>;
+  constexpr size_t smem = sizeof(Shared<kItems, kSortItems>);
+  static const cudaError_t opted_in = [&] {   // above 48 KiB, once per instantiation
+    return smem > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(smem))
+                            : cudaSuccess;
+  }();
+  if (opted_in != cudaSuccess) return static_cast<int>(opted_in);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(rows) * cluster_size);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_size;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = cluster_size > 1 ? 1 : 0;
+  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, logits, stride, lo, hi, cols, k,
+                                             cluster_size, vec, out));
+}
+
+template <int kItems>
+int LaunchSorted(int sort_items, const float* logits, int64_t stride, const int* lo, const int* hi,
+                 int rows, int cols, int k, int cluster_size, bool vec, int* out,
+                 cudaStream_t stream) {
+  switch (sort_items) {
+    case 0: return Launch<kItems, 0>(logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    case 1: return Launch<kItems, 1>(logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    case 2: return Launch<kItems, 2>(logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    case 4: return Launch<kItems, 4>(logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    default: return Launch<kItems, 8>(logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+  }
 }
 
 }  // namespace
 
-extern "C" int JaxDgTopkMaxK() { return 4096; }
+extern "C" int JaxDgTopkMaxK() { return kMaxK; }
+
+// The kernel's shape for rows of `cols` keys: keys per thread and CTAs per row (a cluster).
+// Measured on the H200 (benchmarks/topk_shapes.cu): a cluster costs more than it parallelises
+// (at [4096, 32768], 32 keys a thread in clusters of 2 took 952 us, 16 in clusters of 4 1610
+// and 8 in clusters of 8 6635), so rows take 32 keys a thread before they take more CTAs; up
+// to 8192 keys, 16 a thread (2 CTAs an SM) beat 32 (1) by 2.3x. Returns 0 when a row is too
+// long for a cluster (the long-row kernel takes it).
+extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
+  *items = cols <= 4096 ? 8 : cols <= 8192 ? 16 : 32;
+  for (int c = 1; c <= kMaxCluster; c *= 2) {
+    if (static_cast<int64_t>(c) * kThreads * *items >= cols) {
+      *cluster_size = c;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// As JaxDgTopkRows with the kernel's shape given (items 8, 16 or 32; cluster_size 1, 2, 4 or
+// 8, their product times 512 >= cols): for tuning.
+extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
+                                   const int* hi, int rows, int cols, int k, int sorted, int* out,
+                                   int items, int cluster_size, cudaStream_t stream) {
+  if (rows <= 0 || k <= 0) return 0;
+  if (k > kMaxK || static_cast<int64_t>(items) * cluster_size * kThreads < cols ||
+      cluster_size < 1 || cluster_size > kMaxCluster || (cluster_size & (cluster_size - 1))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  int sort_items = 0;
+  if (sorted) {
+    sort_items = 1;
+    while (sort_items * kThreads < k) sort_items *= 2;
+  }
+  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
+  switch (items) {
+    case 8: return LaunchSorted<8>(sort_items, logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    case 16: return LaunchSorted<16>(sort_items, logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    case 32: return LaunchSorted<32>(sort_items, logits, stride, lo, hi, rows, cols, k, cluster_size, vec, out, stream);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
 
 // Launches on `stream`; returns a CUDA error code (0: success).
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream) {
-  if (rows <= 0 || k <= 0) return 0;
-  if (k > JaxDgTopkMaxK()) return static_cast<int>(cudaErrorInvalidValue);
-  int k_slots = 64;   // a power of two >= k, at least one warp's 64-slot window
-  while (k_slots < k) k_slots <<= 1;
-  // Stage rows of up to kMaxCached keys in shared memory (two CTAs per SM still fit for rows
-  // of 8k keys; a 32k-key row takes one SM's worth); longer rows are read from L2 per pass.
-  const int cache_cap = cols <= kMaxCached ? cols : 0;
-  const size_t smem = (kHistCopies * kBins + 2 * static_cast<size_t>(k_slots) +
-                       static_cast<size_t>(cache_cap)) * sizeof(uint32_t);
-  // The 48 KiB default covers static and dynamic shared memory together: above it, opt in
-  // (the attribute stays set for the function, so counting only the dynamic part failed just
-  // when no earlier, larger launch in the process had opted in: k 1024 over 8192 keys).
-  static const size_t static_smem = [] {
-    cudaFuncAttributes a{};
-    return cudaFuncGetAttributes(&a, TopkRowsKernel) == cudaSuccess ? a.sharedSizeBytes : 0;
-  }();
-  if (smem + static_smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(TopkRowsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-    if (e != cudaSuccess) return static_cast<int>(e);
+  int items = 0, cluster_size = 0;
+  if (!JaxDgTopkShape(cols, &items, &cluster_size)) {
+    return JaxDgTopkLongRows(logits, stride, lo, hi, rows, cols, k, sorted, out, stream);
   }
-  TopkRowsKernel<<<rows, kThreads, smem, stream>>>(logits, stride, lo, hi, cols, k, k_slots,
-                                                   cache_cap, sorted != 0, out);
-  return static_cast<int>(cudaGetLastError());
+  return JaxDgTopkRowsShaped(logits, stride, lo, hi, rows, cols, k, sorted, out, items,
+                             cluster_size, stream);
 }

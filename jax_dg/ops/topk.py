@@ -1,8 +1,9 @@
 """The indexer's selection: per-row top-k of logits, and the whole indexer step.
 
 - `topk_indices(logits, k)`: the columns of each row's k largest logits, by jax_dg's own kernel
-  (a native FFI handler: kernels/topk.cu on CUDA, a radix select then a sort of the k
-  survivors; its C++ twin on CPU), exact and deterministic: the same indices in the same order
+  (a native FFI handler: kernels/topk.cu on CUDA, a radix select over keys held in registers,
+  a row split over a cluster of CTAs when long, then a sort of the k survivors; its C++ twin
+  on CPU), exact and deterministic: the same indices in the same order
   as `lax.top_k` documents (value descending, lower index first on ties; XLA's own GPU top-k
   keeps that tie order only for short rows: it splits rows of 32k keys and more).
   `sorted=False` gives the same set in column order without the sort. -inf, NaN and columns

@@ -175,8 +175,8 @@ def gpu_logits(key, m, n, ties):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 33, 64, 3000, 4096])
 def test_gpu_kernel_at_other_k(keys, k):
-    """The sort's edge cases: k_slots at its 64-slot floor, and 2048 < k <= 4096, where a warp
-    sorts two 64-slot windows in registers. Indices equal the C++ CPU twin's, sorted and not."""
+    """The sort's edge cases: k of one slot, of fewer slots than threads, and 2048 < k <= 4096
+    (eight a thread). Indices equal the C++ CPU twin's, sorted and not."""
     from jax_dg.core import native
     assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
     for ties in (False, True):
@@ -221,6 +221,26 @@ def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
         tv, _ = torch.topk(tx, k, dim=1)
         mine = torch.gather(tx, 1, to_torch(jax_dg.topk_indices(x, k)).long())
         assert torch.equal(mine, tv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 4097, 8191, 12289, 30001, 65536, 140000])
+def test_gpu_every_kernel_shape_equals_the_cpu_twin(keys, n):
+    """Each of kernels/topk.cu's shapes (8, 16, 32 keys a thread; 1, 2, 4, 8 CTAs a row, the
+    cluster summing histograms and gathering through distributed shared memory), its scalar
+    loads (a row stride that is not a multiple of 4) and the long-row kernel past 131072 keys:
+    tricky values, random ranges, k from 1 to 4096, sorted and not, equal to the CPU twin."""
+    from jax_dg.core import native
+    assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
+    m = 8
+    x = tricky_logits(keys, m, n, levels=3)
+    ks = jax.random.randint(keys(), (m,), -5, n // 2).astype(I32)
+    ke = jnp.minimum(ks + jax.random.randint(keys(), (m,), 0, n + 10), n + 7).astype(I32)
+    for k, srt, ranged in itertools.product((1, 777, 4096), (True, False), (False, True)):
+        lo, hi = (ks, ke) if ranged else (None, None)
+        call = lambda x, lo, hi: jax_dg.topk_indices(x, k, ks=lo, ke=hi, sorted=srt)   # noqa: E731
+        got = np.asarray(jax.jit(call)(x, lo, hi))
+        np.testing.assert_array_equal(got, on_cpu(call, x, lo, hi), err_msg=f"k {k} sorted {srt} ranged {ranged}")
 
 
 @pytest.mark.gpu
