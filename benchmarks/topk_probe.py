@@ -1,6 +1,6 @@
 """One jax_dg top-k call on indexer-sized logits, for a profiler (e.g. Nsight Compute):
 
-    ncu -k regex:TopkRows -c 1 python benchmarks/topk_probe.py [rows] [cols] [k]
+    ncu -k regex:TopkKernel -c 1 --launch-skip 1 python benchmarks/topk_probe.py [rows] [cols] [k]
 """
 
 import sys

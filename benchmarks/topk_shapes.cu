@@ -1,0 +1,194 @@
+// kernels/topk.cu's kernel shapes (keys per thread x CTAs per row) timed against each other and
+// the copy floor, on random normal logits, without Python: for choosing JaxDgTopkShape's table,
+// and a quick target for compute-sanitizer. Each shape's indices are checked against a CPU
+// top-k on a few rows and against the default shape's on all rows.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/topk_shapes.cu kernels/topk.cu \
+//        kernels/topk_long.cu -o /tmp/topk_shapes
+//   /tmp/topk_shapes          every bench shape, k 512/2048/4096, sorted and not
+//   /tmp/topk_shapes small    a few small cases, each shape once (for the sanitizer)
+//   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER]   one call (for a profiler)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+#include <cuda_runtime.h>
+
+extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size);
+extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
+                                   const int* hi, int rows, int cols, int k, int sorted, int* out,
+                                   int items, int cluster_size, cudaStream_t stream);
+extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
+                             int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+
+#define CHECK(x)                                                                    \
+  do {                                                                              \
+    cudaError_t e_ = static_cast<cudaError_t>(x);                                   \
+    if (e_ != cudaSuccess) {                                                        \
+      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+__device__ uint32_t Hash(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+// Normal logits (Box-Muller on a hash); ties > 0: rounded to 1/ties (many equal values).
+__global__ void Fill(float* x, int64_t n, uint64_t seed, int ties) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u1 = (Hash(seed * 0x9e3779b97f4a7c15ull + 2 * i) + 1.0f) * 2.3283064e-10f;
+    const float u2 = Hash(seed * 0x9e3779b97f4a7c15ull + 2 * i + 1) * 2.3283064e-10f;
+    float v = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    if (ties) v = rintf(v * ties) / ties;
+    x[i] = v;
+  }
+}
+
+uint32_t OrderKey(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The contract on one row (all columns candidates unless -inf/NaN).
+std::vector<int> CpuRow(const float* x, int cols, int k, bool sorted) {
+  std::vector<uint64_t> c;
+  for (int i = 0; i < cols; ++i) {
+    if (x[i] > -INFINITY) c.push_back(uint64_t(OrderKey(x[i])) << 32 | uint32_t(~i));
+  }
+  const size_t take = std::min(c.size(), size_t(k));
+  std::partial_sort(c.begin(), c.begin() + take, c.end(), std::greater<uint64_t>());
+  std::vector<int> out(k, -1);
+  for (size_t t = 0; t < take; ++t) out[t] = int(~uint32_t(c[t]));
+  if (!sorted) std::sort(out.begin(), out.begin() + take);
+  return out;
+}
+
+float TimeUs(int reps, const std::function<void()>& f) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int r = 0; r < 5; ++r) {
+    CHECK(cudaEventRecord(a));
+    for (int i = 0; i < reps; ++i) f();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    best = std::min(best, ms * 1000 / reps);
+  }
+  return best;
+}
+
+int main(int argc, char** argv) {
+  const bool small = argc > 1 && std::strcmp(argv[1], "small") == 0;
+  if (argc > 5 && std::strcmp(argv[1], "one") == 0) {
+    const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
+    const int sorted = std::atoi(argv[5]);
+    float* x;
+    int* out;
+    CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
+    CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
+    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 7, 0);
+    for (int i = 0; i < 2; ++i) {   // the second call is the one to profile (nothing to set up)
+      if (argc > 7) {
+        CHECK(JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, std::atoi(argv[6]),
+                                  std::atoi(argv[7]), 0));
+      } else {
+        CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+      }
+    }
+    CHECK(cudaDeviceSynchronize());
+    return 0;
+  }
+  struct Case { int rows, cols; };
+  std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}}
+                                  : std::vector<Case>{{2048, 8192}, {4096, 32768}, {64, 65536}, {256, 131072}};
+  std::vector<int> ks = small ? std::vector<int>{1, 700, 4096} : std::vector<int>{512, 2048, 4096};
+  int failures = 0;
+  for (const Case& cs : cases) {
+    const int64_t n = int64_t(cs.rows) * cs.cols;
+    float* x;
+    int *out, *ref;
+    CHECK(cudaMalloc(&x, n * 4));
+    CHECK(cudaMalloc(&out, int64_t(cs.rows) * 4096 * 4));
+    CHECK(cudaMalloc(&ref, int64_t(cs.rows) * 4096 * 4));
+    float* copy;
+    CHECK(cudaMalloc(&copy, n * 4));
+    for (int ties : {0, 8}) {
+      Fill<<<1024, 256>>>(x, n, 1234 + cs.cols, ties);
+      CHECK(cudaDeviceSynchronize());
+      if (ties && !small) continue;   // timing on random data only
+      const float copy_us = small ? 0 : TimeUs(10, [&] { cudaMemcpyAsync(copy, x, n * 4, cudaMemcpyDeviceToDevice); });
+      // a copy reads and writes: the floor of a read-only pass is half its time
+      const float floor_us = copy_us / 2;
+      std::vector<float> host(std::min<int64_t>(n, int64_t(4) * cs.cols));
+      CHECK(cudaMemcpy(host.data(), x, host.size() * 4, cudaMemcpyDeviceToHost));
+      for (int k : ks) {
+        for (int sorted : {0, 1}) {
+          // default shape: checked against the CPU on the first rows
+          CHECK(JaxDgTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, ref, 0));
+          CHECK(cudaDeviceSynchronize());
+          std::vector<int> got(int64_t(cs.rows) * k);
+          CHECK(cudaMemcpy(got.data(), ref, got.size() * 4, cudaMemcpyDeviceToHost));
+          const int check_rows = std::min<int64_t>(cs.rows, host.size() / cs.cols);
+          for (int r = 0; r < check_rows; ++r) {
+            if (CpuRow(host.data() + int64_t(r) * cs.cols, cs.cols, k, sorted) !=
+                std::vector<int>(got.begin() + int64_t(r) * k, got.begin() + int64_t(r + 1) * k)) {
+              std::printf("MISMATCH vs CPU: rows %d cols %d k %d sorted %d ties %d row %d\n", cs.rows,
+                          cs.cols, k, sorted, ties, r);
+              ++failures;
+              break;
+            }
+          }
+          int d_items = 0, d_cluster = 0;
+          const bool fits = JaxDgTopkShape(cs.cols, &d_items, &d_cluster);
+          const float def_us = small ? 0 : TimeUs(20, [&] {
+            JaxDgTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, 0);
+          });
+          if (!small) {
+            std::printf("rows %5d cols %6d k %4d %-8s default (%2d x %d): %8.1f us  floor %6.1f  x%.2f\n",
+                        cs.rows, cs.cols, k, sorted ? "sorted" : "unsorted", d_items, d_cluster, def_us,
+                        floor_us, def_us / floor_us);
+          }
+          if (!fits) continue;
+          for (int items : {8, 16, 32}) {
+            for (int cluster : {1, 2, 4, 8}) {
+              if (int64_t(items) * cluster * 512 < cs.cols) continue;
+              if (cluster > 1 && int64_t(items) * (cluster / 2) * 512 >= cs.cols) continue;   // smallest cluster per items only
+              if (items == d_items && cluster == d_cluster) continue;
+              CHECK(JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 0));
+              CHECK(cudaDeviceSynchronize());
+              std::vector<int> other(got.size());
+              CHECK(cudaMemcpy(other.data(), out, other.size() * 4, cudaMemcpyDeviceToHost));
+              if (other != got) {
+                std::printf("MISMATCH between shapes: cols %d k %d sorted %d ties %d: %d x %d\n", cs.cols, k,
+                            sorted, ties, items, cluster);
+                ++failures;
+              }
+              if (small) continue;
+              const float us = TimeUs(20, [&] {
+                JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 0);
+              });
+              std::printf("%58s (%2d x %d): %8.1f us\n", "", items, cluster, us);
+            }
+          }
+        }
+      }
+    }
+    CHECK(cudaFree(x));
+    CHECK(cudaFree(out));
+    CHECK(cudaFree(ref));
+    CHECK(cudaFree(copy));
+  }
+  std::printf(failures ? "FAILED: %d mismatches\n" : "all shapes agree with the CPU and each other\n", failures);
+  return failures ? 1 : 0;
+}
