@@ -3,6 +3,7 @@ paged FP8 key cache, and a few training steps.
 
     python examples/deepseek_v32_block.py              # DeepGEMM on a GPU, the torch emulation on CPU
     JAX_DG_BACKEND=xla python examples/deepseek_v32_block.py   # pure JAX, no custom call
+    python -m jax_dg warmup examples/deepseek_v32_block.py     # compile its DeepGEMM kernels ahead
 
 The block: RMSNorm -> the lightning indexer picks each query's top-k keys -> attention over
 those keys only (sparse attention in plain JAX) -> RMSNorm -> MoE, with residuals, between a toy
@@ -129,31 +130,65 @@ def decode(block, tokens, new: int, block_size: int = 64):
     return logits, carry[-1]
 
 
+def toy_pattern(seq: int, vocab: int):
+    """The toy task's sequence: token t + 1 follows token t of a repeating pattern."""
+    return jnp.arange(seq + 1, dtype=jnp.int32) * 7 % vocab
+
+
+def loss_and_grads(block, pattern):
+    """The next-token loss on `pattern` [S + 1] and its gradients (forward + backward)."""
+    def loss_fn(block):
+        logits, _ = block.prefill(pattern[:-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), pattern[1:]).mean()
+    return nnx.value_and_grad(loss_fn)(block)
+
+
 def train(block, steps: int, seq: int, vocab: int):
     """A few adam steps on a toy task (the next token of a repeating pattern): the losses."""
-    pattern = jnp.arange(seq + 1) * 7 % vocab
+    pattern = toy_pattern(seq, vocab)
     opt = nnx.Optimizer(block, optax.adam(3e-3), wrt=nnx.Param)
 
     @nnx.jit
     def step(block, opt):
-        def loss_fn(block):
-            logits, _ = block.prefill(pattern[:-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), pattern[1:]).mean()
-        loss, grads = nnx.value_and_grad(loss_fn)(block)
+        loss, grads = loss_and_grads(block, pattern)
         opt.update(block, grads)
         return loss
     return [float(step(block, opt)) for _ in range(steps)]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=SIZE["seq"])
     ap.add_argument("--new", type=int, default=SIZE["new"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--index-topk", type=int, default=SIZE["index_topk"], help="keys the indexer keeps")
-    args = ap.parse_args(argv)
-    block = Block(SIZE["dim"], SIZE["heads"], SIZE["vocab"], SIZE["experts"], SIZE["topk_experts"],
-                  args.index_topk, rngs=nnx.Rngs(0))
+    return ap.parse_args(argv)
+
+
+def make_block(args) -> Block:
+    return Block(SIZE["dim"], SIZE["heads"], SIZE["vocab"], SIZE["experts"], SIZE["topk_experts"],
+                 args.index_topk, rngs=nnx.Rngs(0))
+
+
+def warmup_jobs(argv=None):
+    """What `python -m jax_dg warmup examples/deepseek_v32_block.py [-- args]` compiles ahead:
+    main()'s programs at its sizes (token shapes only; the block's weights are captured)."""
+    args = parse_args(argv)
+    block = make_block(args)
+    b, s = SIZE["batch"], args.seq
+    tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
+    nxt = jax.ShapeDtypeStruct((b,), jnp.int32)
+    graph, state = nnx.split(block)   # the gradient's module must come from inside the trace
+    return [("prefill + decode loop", lambda t: decode(block, t, args.new), (tokens,), {}),
+            ("decode step after prefill", lambda t, n: first_step(block, t, n), (tokens, nxt), {}),
+            ("training step (forward + backward)",
+             lambda st, p: loss_and_grads(nnx.merge(graph, st), p),
+             (state, jax.ShapeDtypeStruct((s + 1,), jnp.int32)), {})]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    block = make_block(args)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (SIZE["batch"], args.seq), 0, SIZE["vocab"])
     ok = True
 
@@ -184,11 +219,13 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-@nnx.jit
-def decode_first(block, tokens, nxt):
+def first_step(block, tokens, nxt):
     """The decode step of token nxt [B] after prefilling `tokens` [B, S] (its logits first)."""
     _, cache, k_all, v_all = prefill_cache(block, tokens, tokens.shape[1] + 1)
     return block.decode_step(nxt, cache, k_all, v_all)
+
+
+decode_first = nnx.jit(first_step)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,22 @@ def test_deepseek_v32_block_example(capsys):
     assert example.main(["--seq", "48", "--new", "2", "--steps", "2", "--index-topk", "16"]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "training loss" in out
+
+
+def test_deepseek_v32_block_warms_up(capsys):
+    """`python -m jax_dg warmup examples/deepseek_v32_block.py` finds the kernels of its three
+    programs: the prefill + decode loop, the decode step, and the training step's backward."""
+    import json
+
+    import pytest
+    pytest.importorskip("flax.nnx")
+    from jax_dg import __main__ as cli
+    args = ["--seq", "48", "--new", "2", "--index-topk", "16"]
+    assert cli.main(["warmup", "--json", "--progress", "off", str(EXAMPLES / "deepseek_v32_block.py"), *args]) == 0
+    reports = {r["job"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(reports) == ["prefill + decode loop", "decode step after prefill",
+                             "training step (forward + backward)"]
+    ops = {job: {v["op"] for v in r["variants"]} for job, r in reports.items()}
+    assert {"fp8_gemm_nt", "indexer_topk", "paged_indexer_topk", "m_grouped_fp8_gemm_nt_masked"} <= ops["prefill + decode loop"]
+    assert "paged_indexer_topk" in ops["decode step after prefill"]
+    assert "k_grouped_fp8_gemm_nt_contiguous" in ops["training step (forward + backward)"]   # weight grads
