@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -94,3 +95,19 @@ def test_each_benchmarks_plot_on_made_up_numbers(script, tmp_path, monkeypatch):
     rows = [{k: 0.5 + 0.25 * (i + j) for j, k in enumerate(keys)} for i in range(3)]
     path = plot.write(name, title, rows, columns, plots=tmp_path, **kwargs)
     assert path == tmp_path / f"{script.stem}.png" and path.read_bytes().startswith(PNG)
+
+
+def test_bench_block_runs_tiny_on_cpu(monkeypatch, tmp_path, capsys):
+    """bench_block.py's harness end to end at the example's size, both sides on jax_dg's torch
+    emulation of deep_gemm (the benchmark itself needs a GPU; this keeps its code running)."""
+    pytest.importorskip("flax.nnx")
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("bench_block", BENCH / "bench_block.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench.plot, "PLOTS", tmp_path)
+    bench.main(["--tiny"])
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[-1]["rows"]] == ["prefill", "decode"]
+    assert rows[-1]["rows"][0]["rel_err"] < 2e-3

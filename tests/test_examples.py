@@ -66,3 +66,39 @@ def test_deepseek_v32_block_warms_up(capsys):
     assert {"fp8_gemm_nt", "indexer_topk", "paged_indexer_topk", "m_grouped_fp8_gemm_nt_masked"} <= ops["prefill + decode loop"]
     assert "paged_indexer_topk" in ops["decode step after prefill"]
     assert "k_grouped_fp8_gemm_nt_contiguous" in ops["training step (forward + backward)"]   # weight grads
+
+
+def test_the_torch_block_of_bench_block_is_the_examples_block():
+    """benchmarks/torch_block.py (bench_block's PyTorch rival, on deep_gemm's API: here jax_dg's
+    torch emulation of it) computes the example's block from the same weights: prefill of one
+    sequence and a decode step against the prefilled paged cache, within the FP8 block's noise."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+    import torch
+    pytest.importorskip("flax.nnx")
+    from jax_dg.backends import torch_emu
+    example = load("deepseek_v32_block")
+    spec = importlib.util.spec_from_file_location("torch_block", EXAMPLES.parent / "benchmarks" / "torch_block.py")
+    tb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tb)
+
+    block = example.make_block(example.parse_args(["--index-topk", "16"]))
+    twin = tb.Block(torch_emu, block)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, example.SIZE["vocab"]).astype(jnp.int32)
+    import jax_dg
+    for b in range(2):   # prefill, one sequence at a time
+        want = jax.jit(lambda t: block.prefill(t)[0])(tokens[b])
+        got = twin.prefill(torch.from_numpy(np.array(tokens[b])).long())[0]
+        assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().numpy()) < 2e-3
+
+    nxt = jnp.array([3, 7], jnp.int32)
+    want = example.decode_first(block, tokens, nxt)[0]
+    _, cache, k_all, v_all = jax.jit(lambda t: example.prefill_cache(block, t, 41))(tokens)
+    own = lambda a: torch.from_numpy(np.array(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a))  # noqa: E731
+    state = (own(cache.kv_cache), own(cache.block_tables), own(cache.context_lens))
+    k_t, v_t = own(k_all).to(torch.bfloat16), own(v_all).to(torch.bfloat16)
+    got = twin.decode_step(torch.tensor([3, 7]), state, k_t, v_t)
+    assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().numpy()) < 2e-3
+    assert state[2].tolist() == [41, 41]
