@@ -13,8 +13,12 @@ Steps, one run, contenders interleaved (timing.compare), same weights, random st
             top-k, sparse attention over the selected keys, masked MoE); jax_dg donates the
             caches, torch updates them in place; "torch graph" replays the torch step captured
             in a CUDA graph.
-Ratios: torch / jax_dg (> 1: jax_dg is faster). Not measured here: the training step (the torch
-block has no backward on deep_gemm), see RESULTS.md.
+  training  forward + backward of the example's toy next-token loss on one sequence of --seq
+            tokens: jax_dg's gradients (nnx.value_and_grad in one jit) against torch autograd
+            with jax_dg.fp8_linear's recipe written on deep_gemm (torch_block's autograd
+            functions); no optimizer update on either side.
+Ratios: torch / jax_dg (> 1: jax_dg is faster). "check": the two sides agree (prefill: calc_diff
+of the logits; training: the losses' relative difference).
 """
 
 from __future__ import annotations
@@ -69,6 +73,27 @@ def prefill_row(block, twin, size, n):
     return {"step": "prefill", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
             "graph/jax_dg": float("nan"), "rel_err": diff}
+
+
+def train_row(block, size, dg, n):
+    twin = torch_block.Block(dg, block).train()
+    pattern = example.toy_pattern(size["seq"], size["vocab"])
+    t_pattern = torch.from_dlpack(pattern).long()
+    graph, state = nnx.split(block)
+    step = jax.jit(lambda st, p: example.loss_and_grads(nnx.merge(graph, st), p))
+
+    def torch_step():
+        for p in twin.parameters():
+            p.grad = None
+        loss = twin.loss(t_pattern)
+        loss.backward()
+        return loss
+    loss, t_loss = step(state, pattern)[0], torch_step()
+    t = timing.compare({"jax_dg": (lambda: step(state, pattern), timing.jax_sync),
+                        "torch": (torch_step, sync_torch)}, n)
+    return {"step": "training", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
+            "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
+            "graph/jax_dg": float("nan"), "rel_err": abs(float(loss) - t_loss.item()) / abs(float(loss))}
 
 
 def decode_state(block, b, ctx, block_size=64):
@@ -134,10 +159,11 @@ def main(argv=None):
     n = 2 if args.tiny else 10
     rows = [prefill_row(block, twin, size, n)]
     rows += [decode_row(block, twin, size, b, 2 if args.tiny else 20) for b in size["batches"]]
+    rows.append(train_row(block, size, dg, n))
     plot.write("bench_block", "DeepSeek-V3.2-style block: jax_dg vs PyTorch on deep_gemm", rows, [
         ("step", "step"), ("shape", "shape"), ("jax_dg_us", "jax_dg us"), ("torch_us", "torch us"),
         ("graph_us", "torch graph us"), ("torch/jax_dg", "torch/jax_dg"), ("graph/jax_dg", "graph/jax_dg"),
-        ("rel_err", "prefill calc_diff")],
+        ("rel_err", "check")],
         label=lambda r: f"{r['step']} {r['shape']}", ratios=["torch/jax_dg", "graph/jax_dg"])
 
 

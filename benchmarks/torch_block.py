@@ -6,8 +6,11 @@ DeepGEMM's recipe, `fp8_gemm_nt`, the indexer's `fp8_fp4_mqa_logits` / paged log
 `torch.topk`, the sparse attention and the MoE routing in torch ops, the experts on
 `m_grouped_fp8_gemm_nt_masked`. `dg` is the deep_gemm module on a GPU; on CPU jax_dg's torch
 emulation of it (jax_dg.backends.torch_emu, the same API) runs the same code, which is how the
-tests check it against the JAX block. Forward only: prefill of one sequence, and a decode step of
-B sequences against the paged FP8 indexer cache.
+tests check it against the JAX block. Prefill of one sequence, a decode step of B sequences
+against the paged FP8 indexer cache, and a training step (`Block.train()`: the FP8 layers get
+jax_dg.fp8_linear's backward written as torch autograd functions on deep_gemm: dgrad on the
+weight's blocks transposed, wgrad along M with the (1, 1, 128) recipe, the experts' wgrad on
+the k-grouped GEMM).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 # --- DeepGEMM's FP8 casts (deep_gemm/utils/math.py, float32 scales) ---------------------------
 
 def per_token_cast_to_fp8(x: torch.Tensor):
-    """[M, K] (K a multiple of 128) -> (float8 [M, K], float32 [M, K / 128])."""
+    """[M, K] -> (float8 [M, K], float32 [M, ceil(K / 128)]), K zero-padded to 128s."""
     m, k = x.shape
-    v = x.float().view(m, k // 128, 128)
+    kp = -(-k // 128) * 128
+    v = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, kp // 128, 128)
     sf = v.abs().amax(dim=2).clamp(min=1e-4) / 448.0
-    return (v * (1.0 / sf.unsqueeze(2))).to(FP8).view(m, k), sf
+    return (v * (1.0 / sf.unsqueeze(2))).to(FP8).view(m, kp)[:, :k].contiguous(), sf
 
 
 def per_block_cast_to_fp8(w: torch.Tensor):
@@ -57,17 +61,52 @@ def _t(x) -> torch.Tensor:
     return torch.from_dlpack(x).clone()
 
 
+def _gemm(dg, a, b, n, out_dtype=BF16, c=None, recipe=None):
+    out = torch.empty(a[0].shape[0], n, dtype=out_dtype, device=a[0].device) if c is None else c
+    dg.fp8_gemm_nt(a, b, out, c=c, recipe=recipe)
+    return out
+
+
+def _wgrad(dg, g, x):
+    """dw = g.T @ x [N, K] float32: both cast along M (rows padded to 16), (1, 1, 128) recipe."""
+    pad = -g.shape[0] % 16
+    gt = torch.nn.functional.pad(g, (0, 0, 0, pad)).T.contiguous()
+    xt = torch.nn.functional.pad(x, (0, 0, 0, pad)).T.contiguous()
+    dw = torch.zeros(gt.shape[0], xt.shape[0], dtype=F32, device=g.device)
+    return _gemm(dg, per_token_cast_to_fp8(gt), per_token_cast_to_fp8(xt), 0, c=dw, recipe=(1, 1, 128))
+
+
+class FP8LinearFn(torch.autograd.Function):
+    """jax_dg.fp8_linear's recipe: y = x @ w.T, forward and backward FP8 GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, w, dg):
+        wq = per_block_cast_to_fp8(w)
+        ctx.save_for_backward(x, *wq)
+        ctx.dg = dg
+        return _gemm(dg, per_token_cast_to_fp8(x), wq, w.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, wv, wsf = ctx.saved_tensors
+        g = gy.to(BF16).contiguous()
+        dx = _gemm(ctx.dg, per_token_cast_to_fp8(g), (wv.T.contiguous(), wsf.T.contiguous()), wv.shape[1])
+        return dx, _wgrad(ctx.dg, g, x).to(BF16), None
+
+
 class Linear:
-    """FP8Linear: the kernel [in, out] quantised once per 128 x 128 block as [out, in]."""
+    """FP8Linear: the kernel [in, out] as [out, in]; for inference quantised once per 128 x 128
+    block, for training (Block.train) a parameter quantised on every call, as jax_dg does."""
 
     def __init__(self, dg, module):
         self.dg = dg
-        self.w, self.sf = per_block_cast_to_fp8(_t(module.kernel[...]).T.contiguous())
+        self.weight = _t(module.kernel[...]).T.contiguous()
+        self.w, self.sf = per_block_cast_to_fp8(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.w.shape[0], dtype=BF16, device=x.device)
-        self.dg.fp8_gemm_nt(per_token_cast_to_fp8(x), (self.w, self.sf), out)
-        return out
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            return FP8LinearFn.apply(x, self.weight, self.dg)
+        return _gemm(self.dg, per_token_cast_to_fp8(x), (self.w, self.sf), self.w.shape[0])
 
 
 def rms_norm(x, scale, eps=1e-6):
@@ -155,6 +194,49 @@ class Indexer:
         return topk_indices(logits.masked_fill(~valid, NEG_INF), self.topk), lens.view(b)
 
 
+def _cast_groups(x):
+    """[G, M, K] -> per-token FP8 values [G, M, K] and scales [G, M, ceil(K / 128)]."""
+    g, m, k = x.shape
+    v, sf = per_token_cast_to_fp8(x.reshape(g * m, k))
+    return v.view(g, m, k), sf.view(g, m, -1)
+
+
+def _masked(dg, a, b, masked_m, hint):
+    out = torch.empty(a[0].shape[0], a[0].shape[1], b[0].shape[1], dtype=BF16, device=a[0].device)
+    dg.m_grouped_fp8_gemm_nt_masked(a, b, out, masked_m, hint)
+    return out
+
+
+class FP8GroupedFn(torch.autograd.Function):
+    """jax_dg.fp8_grouped_linear: y[g] = x[g] @ w[g].T over each group's first masked_m rows."""
+
+    @staticmethod
+    def forward(ctx, x, w, masked_m, hint, dg):
+        wq = MoE.experts(w)
+        ctx.save_for_backward(x, masked_m, *wq)
+        ctx.dg, ctx.hint = dg, hint
+        return _masked(dg, _cast_groups(x), wq, masked_m, hint)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, masked_m, wv, wsf = ctx.saved_tensors
+        dg, (groups, mmax, k) = ctx.dg, x.shape
+        rows = torch.arange(mmax, device=x.device)[None, :, None] < masked_m[:, None, None]
+        g = torch.where(rows, gy, 0).to(BF16)
+        dx = _masked(dg, _cast_groups(g), (wv.transpose(1, 2).contiguous(), wsf.transpose(1, 2).contiguous()),
+                     masked_m, ctx.hint)
+        n = g.shape[2]
+        qa = _cast_groups(g.transpose(1, 2).contiguous())                    # [G, N, Mmax]
+        qb = _cast_groups(torch.where(rows, x, 0).to(BF16).transpose(1, 2).contiguous())
+        a = (qa[0].reshape(-1), qa[1].transpose(1, 2).reshape(-1, n))        # scales [G*Mmax/128, N]
+        b = (qb[0].reshape(-1), qb[1].transpose(1, 2).reshape(-1, k))
+        dw = torch.zeros(groups, n, k, dtype=F32, device=x.device)
+        ks = torch.full((groups,), mmax, dtype=torch.int32, device=x.device)
+        # DeepGEMM reads the scales as [M, sum(ks) / 128] MN-major: transposed views
+        dg.k_grouped_fp8_gemm_nt_contiguous((a[0], a[1].T), (b[0], b[1].T), dw, [mmax] * groups, ks, c=dw)
+        return dx, dw.to(BF16), None, None, None
+
+
 class MoE:
     """jax_dg.nn.MoE's masked layout: experts' rows in [E, capacity, dim], masked grouped GEMMs."""
 
@@ -163,21 +245,20 @@ class MoE:
         self.route_scale, self.m = m.route_scale, m
         assert m.n_groups == 1, "group-limited routing is not written here"
         self.gate, self.bias = _t(m.gate[...]), _t(m.gate_bias[...])
-        self.w13 = self._experts(_t(m.w13[...]))
-        self.w2 = self._experts(_t(m.w2[...]))
+        self.w13_weight, self.w2_weight = _t(m.w13[...]), _t(m.w2[...])
+        self.w13, self.w2 = self.experts(self.w13_weight), self.experts(self.w2_weight)
         self.shared_in, self.shared_out = Linear(dg, m.shared_in), Linear(dg, m.shared_out)
 
     @staticmethod
-    def _experts(w):
+    def experts(w):
+        """[E, N, K] -> per-expert 128 x 128 block casts: values [E, N, K], scales [E, N/128, K/128]."""
         qs = [per_block_cast_to_fp8(we) for we in w]
         return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
-    def _grouped(self, a, w, masked_m, hint):
-        e, cap, k = a.shape
-        aq, asf = per_token_cast_to_fp8(a.view(e * cap, k))
-        out = torch.empty(e, cap, w[0].shape[1], dtype=BF16, device=a.device)
-        self.dg.m_grouped_fp8_gemm_nt_masked((aq.view(e, cap, k), asf.view(e, cap, -1)), w, out, masked_m, hint)
-        return out
+    def _grouped(self, a, weight, w, masked_m, hint):
+        if weight.requires_grad and torch.is_grad_enabled():
+            return FP8GroupedFn.apply(a, weight, masked_m, hint, self.dg)
+        return _masked(self.dg, _cast_groups(a), w, masked_m, hint)
 
     def __call__(self, x):
         t, dim = x.shape
@@ -197,8 +278,8 @@ class MoE:
         a[slot] = x.repeat_interleave(self.k, dim=0)
         masked_m = counts.clamp(max=cap).int()
         hint = max(1, -(-t * self.k // self.e))
-        h = self._grouped(a[:-1].view(self.e, cap, dim), self.w13, masked_m, hint)
-        y = self._grouped(swiglu(h), self.w2, masked_m, hint).view(self.e * cap, dim)
+        h = self._grouped(a[:-1].view(self.e, cap, dim), self.w13_weight, self.w13, masked_m, hint)
+        y = self._grouped(swiglu(h), self.w2_weight, self.w2, masked_m, hint).view(self.e * cap, dim)
         y = torch.cat([y, y.new_zeros(1, dim)])[slot].view(t, self.k, dim).float()
         y = (y * weights[:, :, None]).sum(1).to(BF16)
         shared = self.shared_out(swiglu(self.shared_in(x)))
@@ -228,12 +309,32 @@ class Block:
         s = s.masked_fill((idx < 0)[:, None, :], NEG_INF)
         return torch.einsum("thk,tkhd->thd", torch.softmax(s, dim=-1), vv.float())
 
+    def parameters(self) -> list[torch.Tensor]:
+        """What the JAX block trains (nnx.Param): all but the indexer's weights (its output is
+        an index: no gradient reaches them) and the router's bias."""
+        return [self.embed, self.norm1, self.norm2, self.moe.gate, self.moe.w13_weight, self.moe.w2_weight] + [
+            lin.weight for lin in (self.wq_a, self.wq_b, self.wkv, self.wo, self.head,
+                                   self.moe.shared_in, self.moe.shared_out)]
+
+    def train(self) -> "Block":
+        """Make the parameters require gradients: the FP8 layers then run their autograd
+        functions (weights quantised per call) under grad mode."""
+        for p in self.parameters():
+            p.requires_grad_(True)
+        return self
+
+    def loss(self, pattern: torch.Tensor) -> torch.Tensor:
+        """The example's toy task: next-token cross entropy of pattern [S + 1]."""
+        logits = self.prefill(pattern[:-1])[0]
+        return torch.nn.functional.cross_entropy(logits.float(), pattern[1:].long())
+
     def prefill(self, tokens):
         """tokens [T] (one sequence, causal) -> (logits [T, vocab], (indexer keys, K, V))."""
         x = self.embed[tokens]
         h = rms_norm(x, self.norm1).to(BF16)
         qr = self.wq_a(h)
-        idx, keys = self.indexer.prefill(h, qr)
+        with torch.no_grad():   # indices: nothing to differentiate
+            idx, keys = self.indexer.prefill(h.detach(), qr.detach())
         t = x.shape[0]
         kv = self.wkv(h).view(t, 2, self.heads, self.hd)
         q = self.wq_b(qr).view(t, self.heads, self.hd)
