@@ -52,14 +52,6 @@ TINY = dict(dim=256, heads=4, vocab=512, experts=8, topk_experts=2, index_topk=1
             batches=(2,), ctx=128)
 
 
-def deep_gemm_module():
-    if torch.cuda.is_available():
-        import deep_gemm
-        return deep_gemm
-    from jax_dg.backends import torch_emu
-    return torch_emu
-
-
 def prefill_row(block, twin, size, n):
     tokens = jax.random.randint(jax.random.PRNGKey(1), (size["seq"],), 0, size["vocab"]).astype(jnp.int32)
     t_tokens = torch.from_dlpack(tokens).long()
@@ -69,7 +61,7 @@ def prefill_row(block, twin, size, n):
     got = twin.prefill(t_tokens)[0]
     diff = jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy())
     t = timing.compare({"jax_dg": (lambda: step(state, tokens), timing.jax_sync),
-                        "torch": (lambda: twin.prefill(t_tokens)[0], sync_torch)}, n)
+                        "torch": (lambda: twin.prefill(t_tokens)[0], timing.cuda_sync)}, n)
     return {"step": "prefill", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
             "graph/jax_dg": float("nan"), "rel_err": diff}
@@ -90,7 +82,7 @@ def train_row(block, size, dg, n):
         return loss
     loss, t_loss = step(state, pattern)[0], torch_step()
     t = timing.compare({"jax_dg": (lambda: step(state, pattern), timing.jax_sync),
-                        "torch": (torch_step, sync_torch)}, n)
+                        "torch": (torch_step, timing.cuda_sync)}, n)
     return {"step": "training", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
             "graph/jax_dg": float("nan"), "rel_err": abs(float(loss) - t_loss.item()) / abs(float(loss))}
@@ -124,15 +116,10 @@ def decode_row(block, twin, size, b, n):
     t_k, t_v, t_tokens = own(k_all), own(v_all), torch.from_dlpack(tokens).long()
     del cache, k_all, v_all
     contenders = {"jax_dg": (jax_step, timing.jax_sync),
-                  "torch": (lambda: twin.decode_step(t_tokens, t_state, t_k, t_v), sync_torch)}
+                  "torch": (lambda: twin.decode_step(t_tokens, t_state, t_k, t_v), timing.cuda_sync)}
     if torch.cuda.is_available():
-        for _ in range(3):   # deep_gemm compiles and torch's allocator settles before capture
-            twin.decode_step(t_tokens, t_state, t_k, t_v)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            twin.decode_step(t_tokens, t_state, t_k, t_v)
-        contenders["graph"] = (g.replay, sync_torch)
+        contenders["graph"] = (timing.captured(lambda: twin.decode_step(t_tokens, t_state, t_k, t_v)),
+                               timing.cuda_sync)
     t = timing.compare(contenders, n)
     graph_us = t.get("graph", float("nan"))
     return {"step": "decode", "shape": f"B{b} ctx{size['ctx']}", "jax_dg_us": t["jax_dg"],
@@ -140,17 +127,12 @@ def decode_row(block, twin, size, b, n):
             "graph/jax_dg": graph_us / t["jax_dg"], "rel_err": float("nan")}
 
 
-def sync_torch(_out=None):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the example's size: a smoke run")
     args = ap.parse_args(argv)
     size = TINY if args.tiny else SIZE
-    dg = deep_gemm_module()
+    dg = torch_block.deep_gemm_or_emulation()
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, "
           f"deep_gemm {getattr(dg, '__version__', dg.__name__)}, size {size}")
     block = example.Block(size["dim"], size["heads"], size["vocab"], size["experts"], size["topk_experts"],

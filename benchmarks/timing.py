@@ -58,6 +58,26 @@ def torch_sync(_out=None) -> None:
     torch.cuda.synchronize()
 
 
+def cuda_sync(_out=None) -> None:
+    """torch's device sync where there is a CUDA device (the --tiny CPU runs have none)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def captured(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
+    """`step` captured once in a torch CUDA graph, after `warmup` eager runs (deep_gemm compiles
+    its kernels and torch's allocator settles first): the graph's replay."""
+    import torch
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def jax_sync(out) -> None:
     import jax
     jax.block_until_ready(out)

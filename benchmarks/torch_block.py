@@ -56,6 +56,15 @@ def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nn.functional.pad(i, (0, k - take), value=-1) if take < k else i
 
 
+def deep_gemm_or_emulation():
+    """deep_gemm where there is a CUDA device, else jax_dg's torch emulation of its API."""
+    if torch.cuda.is_available():
+        import deep_gemm
+        return deep_gemm
+    from jax_dg.backends import torch_emu
+    return torch_emu
+
+
 def _t(x) -> torch.Tensor:
     """A JAX array's values as a torch tensor of its own (on the array's device)."""
     return torch.from_dlpack(x).clone()

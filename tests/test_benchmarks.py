@@ -97,17 +97,30 @@ def test_each_benchmarks_plot_on_made_up_numbers(script, tmp_path, monkeypatch):
     assert path == tmp_path / f"{script.stem}.png" and path.read_bytes().startswith(PNG)
 
 
-def test_bench_block_runs_tiny_on_cpu(monkeypatch, tmp_path, capsys):
-    """bench_block.py's harness end to end at the example's size, both sides on jax_dg's torch
-    emulation of deep_gemm (the benchmark itself needs a GPU; this keeps its code running)."""
-    pytest.importorskip("flax.nnx")
+def run_tiny(name, monkeypatch, tmp_path):
+    """benchmarks/<name>.py --tiny in this process (its imports are the benchmarks' own modules),
+    writing to tmp_path: the rows it wrote."""
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.setenv("OUT", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("bench_block", BENCH / "bench_block.py")
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench.plot, "PLOTS", tmp_path)
     bench.main(["--tiny"])
-    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows[-1]["rows"]] == ["prefill", "decode", "training"]
-    assert rows[-1]["rows"][0]["rel_err"] < 2e-3 and rows[-1]["rows"][2]["rel_err"] < 1e-3
+    return json.loads((tmp_path / "bench.jsonl").read_text().splitlines()[-1])["rows"]
+
+
+def test_bench_block_runs_tiny_on_cpu(monkeypatch, tmp_path):
+    """bench_block.py's harness end to end at the example's size, both sides on jax_dg's torch
+    emulation of deep_gemm (the benchmark itself needs a GPU; this keeps its code running)."""
+    pytest.importorskip("flax.nnx")
+    rows = run_tiny("bench_block", monkeypatch, tmp_path)
+    assert [r["step"] for r in rows] == ["prefill", "decode", "training"]
+    assert rows[0]["rel_err"] < 2e-3 and rows[2]["rel_err"] < 1e-3
+
+
+def test_bench_decode_runs_tiny_on_cpu(monkeypatch, tmp_path):
+    """bench_decode.py's token loop (jax_dg in one jit, the torch route) at small shapes."""
+    rows = run_tiny("bench_decode", monkeypatch, tmp_path)
+    assert [r["shape"] for r in rows] == ["B2 ctx256 next_n1", "B2 ctx256 next_n2"]
+    assert all(r["jax_dg_us"] > 0 and r["torch_us"] > 0 for r in rows)

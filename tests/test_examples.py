@@ -71,19 +71,14 @@ def test_deepseek_v32_block_warms_up(capsys):
 def block_and_torch_twin():
     """(the example module, its Block at a small size, benchmarks/torch_block.py's Block of the
     same weights: on deep_gemm on a GPU, else on jax_dg's torch emulation of it)."""
-    import jax
     import pytest
     pytest.importorskip("flax.nnx")
-    if jax.default_backend() == "gpu":
-        import deep_gemm as dg
-    else:
-        from jax_dg.backends import torch_emu as dg
     example = load("deepseek_v32_block")
     spec = importlib.util.spec_from_file_location("torch_block", EXAMPLES.parent / "benchmarks" / "torch_block.py")
     tb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tb)
     block = example.make_block(example.parse_args(["--index-topk", "16"]))
-    return example, block, tb.Block(dg, block)
+    return example, block, tb.Block(tb.deep_gemm_or_emulation(), block)
 
 
 def test_the_torch_block_of_bench_block_is_the_examples_block():
