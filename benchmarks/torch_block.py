@@ -35,11 +35,11 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 
 
 def per_block_cast_to_fp8(w: torch.Tensor):
-    """[N, K] (multiples of 128) -> (float8 [N, K], float32 [N / 128, K / 128])."""
-    n, k = w.shape
-    v = w.float().view(n // 128, 128, k // 128, 128)
-    sf = v.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448.0
-    return (v * (1.0 / sf[:, None, :, None])).to(FP8).view(n, k), sf
+    """[(E,) N, K] (multiples of 128) -> (float8 [(E,) N, K], float32 [(E,) N / 128, K / 128])."""
+    *e, n, k = w.shape
+    v = w.float().view(*e, n // 128, 128, k // 128, 128)
+    sf = v.abs().amax(dim=(-3, -1)).clamp(min=1e-4) / 448.0
+    return (v * (1.0 / sf[..., :, None, :, None])).to(FP8).view(*e, n, k), sf
 
 
 def per_row_cast_to_fp8(x: torch.Tensor):
@@ -261,8 +261,7 @@ class MoE:
     @staticmethod
     def experts(w):
         """[E, N, K] -> per-expert 128 x 128 block casts: values [E, N, K], scales [E, N/128, K/128]."""
-        qs = [per_block_cast_to_fp8(we) for we in w]
-        return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+        return per_block_cast_to_fp8(w)
 
     def _grouped(self, a, weight, w, masked_m, hint):
         if weight.requires_grad and torch.is_grad_enabled():
@@ -278,7 +277,8 @@ class MoE:
         cap = self.m.capacity(t)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.e)
+        # (torch.bincount reads its input's max on the host: it cannot be captured in a graph)
+        counts = torch.zeros(self.e, dtype=flat.dtype, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         rank = torch.empty_like(flat)
         rank[order] = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
         kept = rank < cap
