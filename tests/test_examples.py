@@ -116,10 +116,10 @@ def test_the_torch_blocks_training_step_is_the_examples():
     the torch emulation) equal the JAX block's within the FP8 recipe's noise."""
     import numpy as np
     import torch
-    from flax import nnx
 
     import jax_dg
-    example, block, twin = block_and_torch_twin()
+    example, block, twin = block_and_torch_twin()   # skips without flax
+    from flax import nnx
     twin.train()
     pattern = example.toy_pattern(40, example.SIZE["vocab"])
     loss, grads = nnx.jit(example.loss_and_grads)(block, pattern)
