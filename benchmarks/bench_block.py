@@ -61,7 +61,7 @@ def prefill_row(block, twin, size, n):
     got = twin.prefill(t_tokens)[0]
     diff = jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy())
     t = timing.compare({"jax_dg": (lambda: step(state, tokens), timing.jax_sync),
-                        "torch": (lambda: twin.prefill(t_tokens)[0], timing.cuda_sync)}, n)
+                        "torch": (lambda: twin.prefill(t_tokens)[0], timing.torch_sync)}, n)
     return {"step": "prefill", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
             "graph/jax_dg": float("nan"), "rel_err": diff}
@@ -82,7 +82,7 @@ def train_row(block, size, dg, n):
         return loss
     loss, t_loss = step(state, pattern)[0], torch_step()
     t = timing.compare({"jax_dg": (lambda: step(state, pattern), timing.jax_sync),
-                        "torch": (torch_step, timing.cuda_sync)}, n)
+                        "torch": (torch_step, timing.torch_sync)}, n)
     return {"step": "training", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
             "graph/jax_dg": float("nan"), "rel_err": abs(float(loss) - t_loss.item()) / abs(float(loss))}
@@ -110,16 +110,16 @@ def decode_row(block, twin, size, b, n):
     def jax_step():   # the caches go round (donated); the logits are the step's result
         logits, *held[:] = step(state, tokens, *held)
         return logits
-    own = lambda a: torch.from_dlpack(a).clone()  # noqa: E731
+    own = torch_block.to_torch
     cache, k_all, v_all = decode_state(block, b, size["ctx"])
     t_state = (own(cache.kv_cache), own(cache.block_tables), own(cache.context_lens))
-    t_k, t_v, t_tokens = own(k_all), own(v_all), torch.from_dlpack(tokens).long()
+    t_k, t_v, t_tokens = own(k_all), own(v_all), own(tokens).long()
     del cache, k_all, v_all
     contenders = {"jax_dg": (jax_step, timing.jax_sync),
-                  "torch": (lambda: twin.decode_step(t_tokens, t_state, t_k, t_v), timing.cuda_sync)}
+                  "torch": (lambda: twin.decode_step(t_tokens, t_state, t_k, t_v), timing.torch_sync)}
     if torch.cuda.is_available():
         contenders["graph"] = (timing.captured(lambda: twin.decode_step(t_tokens, t_state, t_k, t_v)),
-                               timing.cuda_sync)
+                               timing.torch_sync)
     t = timing.compare(contenders, n)
     graph_us = t.get("graph", float("nan"))
     return {"step": "decode", "shape": f"B{b} ctx{size['ctx']}", "jax_dg_us": t["jax_dg"],

@@ -96,15 +96,14 @@ def row(dg, b, ctx, next_n, k, n, kdim, steps, reps):
     max_len = table.shape[1] * BLOCK
     loop = jax_loop(k, max_len, steps)
     args = (q, cache, w, lens, table, x, experts, masked_m)
-    own = lambda a: torch.from_dlpack(a).clone()  # noqa: E731
-    fp8 = lambda a: own(jax.lax.bitcast_convert_type(a, jnp.uint8)).view(torch.float8_e4m3fn)  # noqa: E731
-    state = (fp8(q), own(cache), own(w), own(lens), own(table), own(x), (fp8(experts[0]), own(experts[1])),
+    own = torch_block.to_torch
+    state = (own(q), own(cache), own(w), own(lens), own(table), own(x), (own(experts[0]), own(experts[1])),
              own(masked_m))
     contenders = {"jax_dg": (lambda: loop(*args), timing.jax_sync),
-                  "torch": (lambda: [torch_step(dg, k, max_len, state) for _ in range(steps)][-1][0], timing.cuda_sync)}
+                  "torch": (lambda: [torch_step(dg, k, max_len, state) for _ in range(steps)][-1][0], timing.torch_sync)}
     if torch.cuda.is_available():
         replay = timing.captured(lambda: torch_step(dg, k, max_len, state))
-        contenders["graph"] = (lambda: [replay() for _ in range(steps)], timing.cuda_sync)
+        contenders["graph"] = (lambda: [replay() for _ in range(steps)], timing.torch_sync)
     t = timing.compare(contenders, 1, repeats=reps)
     per = {name: us / steps for name, us in t.items()}
     graph = per.get("graph", float("nan"))

@@ -54,12 +54,7 @@ def compare(contenders: dict, n: int, repeats: int = 5, warmup: int = 3) -> dict
 
 
 def torch_sync(_out=None) -> None:
-    import torch
-    torch.cuda.synchronize()
-
-
-def cuda_sync(_out=None) -> None:
-    """torch's device sync where there is a CUDA device (the --tiny CPU runs have none)."""
+    """torch's device sync (none where there is no CUDA device: the --tiny CPU runs)."""
     import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -65,13 +65,19 @@ def deep_gemm_or_emulation():
     return torch_emu
 
 
-def _t(x) -> torch.Tensor:
-    """A JAX array's values as a torch tensor of its own (on the array's device)."""
+def to_torch(x) -> torch.Tensor:
+    """A JAX array's values as a torch tensor of its own, on the array's device (FP8 through a
+    uint8 view: DLPack has no FP8 type)."""
+    import jax
+    import jax.numpy as jnp
+    if x.dtype == jnp.float8_e4m3fn:
+        return to_torch(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(FP8)
     return torch.from_dlpack(x).clone()
 
 
-def _gemm(dg, a, b, n, out_dtype=BF16, c=None, recipe=None):
-    out = torch.empty(a[0].shape[0], n, dtype=out_dtype, device=a[0].device) if c is None else c
+def _gemm(dg, a, b, out_dtype=BF16, c=None, recipe=None):
+    """a @ b.T with DeepGEMM's fp8_gemm_nt: a new [M, N] output, or accumulated onto c."""
+    out = torch.empty(a[0].shape[0], b[0].shape[0], dtype=out_dtype, device=a[0].device) if c is None else c
     dg.fp8_gemm_nt(a, b, out, c=c, recipe=recipe)
     return out
 
@@ -82,7 +88,7 @@ def _wgrad(dg, g, x):
     gt = torch.nn.functional.pad(g, (0, 0, 0, pad)).T.contiguous()
     xt = torch.nn.functional.pad(x, (0, 0, 0, pad)).T.contiguous()
     dw = torch.zeros(gt.shape[0], xt.shape[0], dtype=F32, device=g.device)
-    return _gemm(dg, per_token_cast_to_fp8(gt), per_token_cast_to_fp8(xt), 0, c=dw, recipe=(1, 1, 128))
+    return _gemm(dg, per_token_cast_to_fp8(gt), per_token_cast_to_fp8(xt), c=dw, recipe=(1, 1, 128))
 
 
 class FP8LinearFn(torch.autograd.Function):
@@ -93,13 +99,13 @@ class FP8LinearFn(torch.autograd.Function):
         wq = per_block_cast_to_fp8(w)
         ctx.save_for_backward(x, *wq)
         ctx.dg = dg
-        return _gemm(dg, per_token_cast_to_fp8(x), wq, w.shape[0])
+        return _gemm(dg, per_token_cast_to_fp8(x), wq)
 
     @staticmethod
     def backward(ctx, gy):
         x, wv, wsf = ctx.saved_tensors
         g = gy.to(BF16).contiguous()
-        dx = _gemm(ctx.dg, per_token_cast_to_fp8(g), (wv.T.contiguous(), wsf.T.contiguous()), wv.shape[1])
+        dx = _gemm(ctx.dg, per_token_cast_to_fp8(g), (wv.T.contiguous(), wsf.T.contiguous()))
         return dx, _wgrad(ctx.dg, g, x).to(BF16), None
 
 
@@ -109,13 +115,13 @@ class Linear:
 
     def __init__(self, dg, module):
         self.dg = dg
-        self.weight = _t(module.kernel[...]).T.contiguous()
+        self.weight = to_torch(module.kernel[...]).T.contiguous()
         self.w, self.sf = per_block_cast_to_fp8(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.requires_grad and torch.is_grad_enabled():
             return FP8LinearFn.apply(x, self.weight, self.dg)
-        return _gemm(self.dg, per_token_cast_to_fp8(x), (self.w, self.sf), self.w.shape[0])
+        return _gemm(self.dg, per_token_cast_to_fp8(x), (self.w, self.sf))
 
 
 def rms_norm(x, scale, eps=1e-6):
@@ -153,8 +159,8 @@ class Indexer:
         self.dg, self.h, self.d = dg, m.n_heads, m.head_dim
         self.rope_dims, self.theta, self.topk = m.rope_head_dim, m.rope_theta, m.topk
         self.wq_b, self.wk = Linear(dg, m.wq_b), Linear(dg, m.wk)
-        self.k_scale, self.k_bias = _t(m.k_norm.scale[...]), _t(m.k_norm.bias[...])
-        self.w_proj = _t(m.weights_proj.kernel[...])
+        self.k_scale, self.k_bias = to_torch(m.k_norm.scale[...]), to_torch(m.k_norm.bias[...])
+        self.w_proj = to_torch(m.weights_proj.kernel[...])
         self.rot = hadamard(self.d, self.w_proj.device)
 
     def _rotate(self, x):
@@ -221,7 +227,7 @@ class FP8GroupedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, masked_m, hint, dg):
-        wq = MoE.experts(w)
+        wq = per_block_cast_to_fp8(w)
         ctx.save_for_backward(x, masked_m, *wq)
         ctx.dg, ctx.hint = dg, hint
         return _masked(dg, _cast_groups(x), wq, masked_m, hint)
@@ -253,15 +259,10 @@ class MoE:
         self.dg, self.e, self.k = dg, m.n_experts, m.topk
         self.route_scale, self.m = m.route_scale, m
         assert m.n_groups == 1, "group-limited routing is not written here"
-        self.gate, self.bias = _t(m.gate[...]), _t(m.gate_bias[...])
-        self.w13_weight, self.w2_weight = _t(m.w13[...]), _t(m.w2[...])
-        self.w13, self.w2 = self.experts(self.w13_weight), self.experts(self.w2_weight)
+        self.gate, self.bias = to_torch(m.gate[...]), to_torch(m.gate_bias[...])
+        self.w13_weight, self.w2_weight = to_torch(m.w13[...]), to_torch(m.w2[...])
+        self.w13, self.w2 = per_block_cast_to_fp8(self.w13_weight), per_block_cast_to_fp8(self.w2_weight)
         self.shared_in, self.shared_out = Linear(dg, m.shared_in), Linear(dg, m.shared_out)
-
-    @staticmethod
-    def experts(w):
-        """[E, N, K] -> per-expert 128 x 128 block casts: values [E, N, K], scales [E, N/128, K/128]."""
-        return per_block_cast_to_fp8(w)
 
     def _grouped(self, a, weight, w, masked_m, hint):
         if weight.requires_grad and torch.is_grad_enabled():
@@ -300,8 +301,8 @@ class Block:
 
     def __init__(self, dg, block):
         self.dg, self.heads, self.hd = dg, block.heads, block.hd
-        self.embed = _t(block.embed.embedding[...])
-        self.norm1, self.norm2 = _t(block.norm1.scale[...]), _t(block.norm2.scale[...])
+        self.embed = to_torch(block.embed.embedding[...])
+        self.norm1, self.norm2 = to_torch(block.norm1.scale[...]), to_torch(block.norm2.scale[...])
         self.wq_a, self.wq_b = Linear(dg, block.wq_a), Linear(dg, block.wq_b)
         self.wkv, self.wo, self.head = Linear(dg, block.wkv), Linear(dg, block.wo), Linear(dg, block.head)
         self.indexer, self.moe = Indexer(dg, block.indexer), MoE(dg, block.moe)

@@ -70,7 +70,8 @@ def test_deepseek_v32_block_warms_up(capsys):
 
 def block_and_torch_twin():
     """(the example module, its Block at a small size, benchmarks/torch_block.py's Block of the
-    same weights: on deep_gemm on a GPU, else on jax_dg's torch emulation of it)."""
+    same weights: on deep_gemm on a GPU, else on jax_dg's torch emulation of it, and
+    torch_block's to_torch)."""
     import pytest
     pytest.importorskip("flax.nnx")
     example = load("deepseek_v32_block")
@@ -78,7 +79,7 @@ def block_and_torch_twin():
     tb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tb)
     block = example.make_block(example.parse_args(["--index-topk", "16"]))
-    return example, block, tb.Block(tb.deep_gemm_or_emulation(), block)
+    return example, block, tb.Block(tb.deep_gemm_or_emulation(), block), tb.to_torch
 
 
 def test_the_torch_block_of_bench_block_is_the_examples_block():
@@ -88,24 +89,20 @@ def test_the_torch_block_of_bench_block_is_the_examples_block():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import torch
 
     import jax_dg
-    example, block, twin = block_and_torch_twin()
-    dev = twin.embed.device
+    example, block, twin, to_torch = block_and_torch_twin()
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, example.SIZE["vocab"]).astype(jnp.int32)
     for b in range(2):   # prefill, one sequence at a time
         want = jax.jit(lambda t: block.prefill(t)[0])(tokens[b])
-        got = twin.prefill(torch.from_numpy(np.array(tokens[b])).long().to(dev))[0]
+        got = twin.prefill(to_torch(tokens[b]).long())[0]
         assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy()) < 2e-3
 
     nxt = jnp.array([3, 7], jnp.int32)
     want = example.decode_first(block, tokens, nxt)[0]
     _, cache, k_all, v_all = jax.jit(lambda t: example.prefill_cache(block, t, 41))(tokens)
-    own = lambda a: torch.from_numpy(np.array(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a)).to(dev)  # noqa: E731
-    state = (own(cache.kv_cache), own(cache.block_tables), own(cache.context_lens))
-    k_t, v_t = own(k_all).to(torch.bfloat16), own(v_all).to(torch.bfloat16)
-    got = twin.decode_step(torch.tensor([3, 7], device=dev), state, k_t, v_t)
+    state = (to_torch(cache.kv_cache), to_torch(cache.block_tables), to_torch(cache.context_lens))
+    got = twin.decode_step(to_torch(nxt).long(), state, to_torch(k_all), to_torch(v_all))
     assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy()) < 2e-3
     assert state[2].tolist() == [41, 41]
 
@@ -115,15 +112,14 @@ def test_the_torch_blocks_training_step_is_the_examples():
     (jax_dg.fp8_linear's recipe, written as torch autograd functions on deep_gemm's API; here
     the torch emulation) equal the JAX block's within the FP8 recipe's noise."""
     import numpy as np
-    import torch
 
     import jax_dg
-    example, block, twin = block_and_torch_twin()   # skips without flax
+    example, block, twin, to_torch = block_and_torch_twin()   # skips without flax
     from flax import nnx
     twin.train()
     pattern = example.toy_pattern(40, example.SIZE["vocab"])
     loss, grads = nnx.jit(example.loss_and_grads)(block, pattern)
-    t_loss = twin.loss(torch.from_numpy(np.array(pattern)).to(twin.embed.device))
+    t_loss = twin.loss(to_torch(pattern))
     t_loss.backward()
     assert abs(float(loss) - t_loss.item()) < 1e-3 * abs(float(loss))
     as_np = lambda g: np.asarray(g[...], np.float32)  # noqa: E731
