@@ -86,11 +86,13 @@ def paged_logits_layout(rows: int, max_context_len: int,
 # torch's CUDA caching allocator asks for whole segments (c10/cuda/CUDACachingAllocator.cpp):
 # requests up to 1 MiB take a 2 MiB segment, up to 10 MiB a 20 MiB one, larger ones are rounded
 # up to 2 MiB. An allocation lands in an XLA buffer only if the buffer holds the whole segment,
-# so jax_dg lands buffers of at least LANDING_MIN_BYTES (then at most 2 MiB of slack).
+# so the XLA buffer gets the rows that cover it: at most 2 MiB of slack from 10 MiB on, a 2 or
+# 20 MiB buffer below (memory XLA reuses; what a copy would cost is a kernel per call, and a
+# call that cannot be captured into a CUDA graph).
 TORCH_SMALL_SEGMENT = 2 << 20
 TORCH_MID_SEGMENT = 20 << 20
 TORCH_ROUND_LARGE = 2 << 20
-LANDING_MIN_BYTES = 10 << 20
+TORCH_MIN_LARGE_ALLOC = 10 << 20
 
 
 def torch_segment_bytes(nbytes: int) -> int:
@@ -98,34 +100,31 @@ def torch_segment_bytes(nbytes: int) -> int:
     size = max(512, align(nbytes, 512))
     if size <= 1 << 20:
         return TORCH_SMALL_SEGMENT
-    if size < LANDING_MIN_BYTES:
+    if size < TORCH_MIN_LARGE_ALLOC:
         return TORCH_MID_SEGMENT
     return align(size, TORCH_ROUND_LARGE)
 
 
 def lands(rows: int, stride: int, itemsize: int, segmented: bool) -> bool:
     """Whether a padded [rows, stride] allocation is routed into the XLA buffer (decided while
-    tracing): always off torch's CUDA allocator, there from LANDING_MIN_BYTES on (smaller
-    ones are copied, see landing_rows). A symbolic row count (jax.export) is not compared with
-    anything: on CUDA such a buffer is copied."""
+    tracing): always, but for a symbolic row count on torch's CUDA allocator (jax.export),
+    whose segment size the trace cannot know: such a buffer is copied."""
     if not segmented:
         return True
-    if not isinstance(rows, int):   # a numpy int, or symbolic
-        try:
-            rows = int(rows)
-        except Exception:   # noqa: BLE001  jax's InconclusiveDimensionOperation and kin
-            return False
-    return rows * stride * itemsize >= LANDING_MIN_BYTES
+    try:
+        int(rows)
+    except Exception:   # noqa: BLE001  jax's InconclusiveDimensionOperation and kin
+        return False
+    return True
 
 
 def landing_rows(rows: int, stride: int, itemsize: int, segmented: bool) -> int:
     """Rows of the XLA buffer a padded [rows, stride] allocation lands in: its own rows, or
-    (segmented, i.e. torch's CUDA allocator, for buffers >= LANDING_MIN_BYTES) enough rows to
-    hold torch's whole segment. Smaller CUDA buffers are copied (the rounding would at least
-    double them)."""
-    if not lands(rows, stride, itemsize, segmented) or not segmented:
+    (segmented, i.e. torch's CUDA allocator) enough rows to hold torch's whole segment."""
+    if not segmented or not lands(rows, stride, itemsize, segmented):
         return rows
-    return cdiv(torch_segment_bytes(rows * stride * itemsize), stride * itemsize)
+    rows = int(rows)
+    return max(rows, cdiv(torch_segment_bytes(rows * stride * itemsize), stride * itemsize))
 
 
 # --- paged MQA logits -------------------------------------------------------------------------

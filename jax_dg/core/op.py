@@ -203,8 +203,8 @@ class Call:
 
 def composed(base: Op, *, name: str, base_static: Callable[..., Mapping[str, Any]],
              **fields: Any) -> Op:
-    """An op that makes `base`'s DeepGEMM call (its shapes, plan, run, symbols and
-    architectures) and composes its own `finish` after it, e.g. the indexer: the logits call,
+    """An op that makes `base`'s DeepGEMM call (its shapes, plan, run, symbols,
+    architectures and graph safety) and composes its own `finish` after it, e.g. the indexer: the logits call,
     then jax_dg's top-k over the scratch it lands in. `base_static(**static)` maps this op's
     statics to base's (extra keywords, the plan's, pass through)."""
     def shapes(*arrays, **static):
@@ -217,7 +217,7 @@ def composed(base: Op, *, name: str, base_static: Callable[..., Mapping[str, Any
         base.run(dg, *buffers, **pick(base.run, base_static(**static)))
     return Op(name=name, args=base.args, shapes=shapes, plan=plan if base.plan else None,
               run=run, symbols=base.symbols, archs=base.archs, arg_archs=base.arg_archs,
-              statics=declared(base_static), **fields)
+              graph_safe=base.graph_safe, statics=declared(base_static), **fields)
 
 
 def targets() -> list[str]:

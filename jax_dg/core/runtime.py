@@ -61,11 +61,13 @@ def is_capturing(platform: str) -> bool:
 
 
 def allocations(platform: str) -> int:
-    """Blocks torch's caching allocator has handed out so far on the current device."""
+    """Blocks torch's caching allocator has handed out so far on the current device, but the
+    ones that landed in XLA's buffers (jax_dg.core.landing: memory torch never keeps)."""
     if platform != "cuda":
         return 0
+    from jax_dg.core import _bridge   # the extension, loaded after jax (see core/bridge.py)
     stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
-    return stats["allocation"]["all"]["allocated"]
+    return stats["allocation"]["all"]["allocated"] - _bridge.landing_counts()[0]
 
 
 def capture_guard(op_name: str, platform: str, run):

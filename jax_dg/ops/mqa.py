@@ -4,7 +4,8 @@
 
 DeepGEMM (2.5.0, SM90) allocates the logits itself, a buffer with padded rows and columns. The
 custom call's result is declared with that layout and DeepGEMM's allocation lands in it
-(jax_dg.core.landing: no copy; below 10 MiB on CUDA it is copied). With clean_logits the op's
+(jax_dg.core.landing: no copy, nothing torch keeps, so the call can be captured into a CUDA
+graph). With clean_logits the op's
 finish then runs jax_dg's own kernel, a native call after DeepGEMM's in XLA, in place: -inf at
 the invalid positions of the logical [M, N] block and only there (kernels/neg_inf.cu), so every
 element the op returns is defined; the finish slices that block out, a slice XLA fuses into
@@ -162,6 +163,7 @@ FP8_MQA_LOGITS = Op(
     reference=_mqa_logits_reference,
     symbols=("fp8_fp4_mqa_logits",),
     own_kernels=("neg_inf_outside",),
+    graph_safe=frozenset({"sm90"}),   # its one allocation lands in XLA's buffer
     batch=_mqa_logits_batch,
     finish=_mqa_logits_finish,
     sharding=query_sharding(lambda static: "m w" if static["max_seqlen_k"] else "m n"),
@@ -213,8 +215,7 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
     clean_logits: True (default): every position outside a row's valid range is -inf. False:
        those positions are unspecified (DeepGEMM leaves real scores, stale memory or anything
        in them, NaN included) and only the valid ones may be read; it saves jax_dg's -inf
-       kernel where the buffer lands (>= 10 MiB; a smaller one is cleaned before it is
-       copied). Valid positions are identical either way.
+       kernel. Valid positions are identical either way.
     logits_dtype: float32 (default) or bfloat16: DeepGEMM rounds each float32 sum to bfloat16
        as it stores it (half the output bytes; -inf stays -inf). Static.
     """

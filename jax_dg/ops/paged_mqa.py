@@ -12,7 +12,9 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
 - DeepGEMM's padded allocation lands in the custom call's result (jax_dg.core.landing, no
-  copy; buffers under 10 MiB are copied); with clean_logits the op's finish then runs jax_dg's
+  copy), as does the schedule the call makes when none is given (a second, scratch result),
+  so the call allocates nothing torch keeps and can be captured into a CUDA graph; with
+  clean_logits the op's finish then runs jax_dg's
   kernel (a native call in XLA) that writes -inf at positions t >= a row's length (DeepGEMM
   2.5.0 leaves real values and unwritten memory there), in place and nowhere else
   (kernels/neg_inf.cu), and slices [rows, max_model_len] out. `clean_logits=False` skips the
@@ -101,13 +103,24 @@ def has_deep_gemm_sparse_mqa() -> bool:
 
 # --- schedule metadata ------------------------------------------------------------------------
 
+def schedule_buffer(slots: int) -> jax.ShapeDtypeStruct:
+    """The custom-call result DeepGEMM's int32 [slots + 1, 2] schedule allocation lands in
+    (jax_dg.core.landing; on CUDA the rows of torch's whole 2 MiB segment)."""
+    segmented = device.target().platform == "cuda"
+    return jax.ShapeDtypeStruct((contracts.landing_rows(slots + 1, 2, 4, segmented), 2), I32)
+
+
 def _metadata_shapes(context_lens, indices, *, block_kv, num_sms):
-    return [jax.ShapeDtypeStruct((num_sms + 1, 2), I32)]
+    return [schedule_buffer(num_sms)]
 
 
 def _metadata_run(dg, context_lens, indices, out, *, block_kv, num_sms):
     kw = {} if indices is None else {"indices": indices}
-    out.copy_(dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
+    landing.land(out, lambda: dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
+
+
+def _metadata_finish(outs, inputs, *, block_kv, num_sms):
+    return (outs[0][:num_sms + 1],)
 
 
 def _metadata_reference(context_lens, indices, *, block_kv, num_sms):
@@ -116,7 +129,7 @@ def _metadata_reference(context_lens, indices, *, block_kv, num_sms):
     return ref.paged_mqa_logits_metadata(context_lens, num_sms=num_sms)
 
 
-SM100 = frozenset({"sm100"})
+SM90, SM100 = frozenset({"sm90"}), frozenset({"sm100"})
 
 GET_PAGED_MQA_LOGITS_METADATA = Op(
     name="get_paged_mqa_logits_metadata",
@@ -124,8 +137,10 @@ GET_PAGED_MQA_LOGITS_METADATA = Op(
     shapes=_metadata_shapes,
     run=_metadata_run,
     reference=_metadata_reference,
+    finish=_metadata_finish,
     symbols=("get_paged_mqa_logits_metadata",),
     arg_archs={"indices": SM100},   # the varlen form
+    graph_safe=SM90,   # its one allocation lands in XLA's buffer
 )
 
 
@@ -191,7 +206,8 @@ def _logits_shapes(q, q_sf, kv_cache, weights, context_lens, block_tables, sched
                  stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
     # float32 rows are align(L, 256) in every DeepGEMM version: the default serves the indexer
     layout = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
-    return [logits_buffer(*layout, logits_dtype)]
+    # no schedule given: the call makes one, in a second result (a scratch the finish drops)
+    return [logits_buffer(*layout, logits_dtype)] + ([schedule_buffer(slots)] if schedule_metadata is None else [])
 
 
 def _logits_plan(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -203,11 +219,13 @@ def _logits_plan(q, q_sf, kv_cache, weights, context_lens, block_tables, schedul
 
 
 def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, out, *, max_model_len, clean_logits, slots, lands,
+                indices, out, schedule=None, *, max_model_len, clean_logits, slots, lands,
                 logits_dtype="float32", stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # absent (a trace-time fact): the schedule of exactly these rows
-        schedule_metadata = dg.get_paged_mqa_logits_metadata(context_lens, kv_cache.shape[1], slots, **kw)
+        landing.land(schedule, lambda: dg.get_paged_mqa_logits_metadata(
+            context_lens, kv_cache.shape[1], slots, **kw))
+        schedule_metadata = schedule[:slots + 1]
     # DeepGEMM's allocation lands in `out` (jax_dg.core.landing). Keywords: positional
     # arguments after the 7th changed meaning across DeepGEMM releases.
     landing.land(out, lambda: dg.fp8_fp4_paged_mqa_logits(
@@ -218,7 +236,7 @@ def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, sche
 def _logits_finish(outs, inputs, *, max_model_len, clean_logits, slots, **layout):
     """The [B * next_n, max_model_len] block; with clean_logits, -inf past each row's length
     written first (in place, jax_dg's own kernel)."""
-    (buf,) = outs
+    buf = outs[0]   # [1]: the schedule made in the call, if any
     lens = inputs["context_lens"].reshape(-1)
     if clean_logits:
         buf = native.neg_inf_outside(buf, None, lens, cols=max_model_len, relative=False)
@@ -268,6 +286,7 @@ PAGED_MQA_LOGITS = Op(
     symbols=("fp8_fp4_paged_mqa_logits",),
     own_kernels=("neg_inf_outside",),
     arg_archs={"q_sf": SM100, "indices": SM100},   # MX scales; the varlen form
+    graph_safe=SM90,   # its allocations (logits, schedule) land in XLA's buffers
     batch=_logits_batch,
     finish=_logits_finish,
     sharding=request_sharding("bj l"),
@@ -419,7 +438,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
     max_model_len: static int, the output width.
     indices: int32 [B] request id per row, the varlen form (next_n == 1; SM100 in DeepGEMM).
     clean_logits: fill positions past each row's length with -inf (default); False leaves them
-       unspecified and saves jax_dg's -inf kernel where the buffer lands (>= 10 MiB).
+       unspecified and saves jax_dg's -inf kernel.
     logits_dtype: float32 (default) or bfloat16 (each float32 sum rounded once on the store).
     Returns logits_dtype [B * next_n, max_model_len].
     """

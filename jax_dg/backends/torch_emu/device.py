@@ -50,13 +50,27 @@ def arm_landing(buffer: torch.Tensor | None) -> torch.Tensor | None:
     return previous
 
 
-def padded_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """The reference's output allocation: in the armed buffer when it fits, filled with NaN
-    (what DeepGEMM leaves unwritten is unspecified; NaN catches a caller that reads it)."""
+def _armed_view(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The armed buffer (disarmed) as a [shape] dtype tensor, if it fits; else None."""
     buffer = arm_landing(None)
     nbytes = math.prod(shape) * dtype.itemsize
     if (buffer is not None and buffer.device == torch.device(device) and buffer.is_contiguous()
             and buffer.numel() * buffer.element_size() >= nbytes):
-        out = buffer.reshape(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
-        return out.fill_(float("nan"))
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return buffer.reshape(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+    return None
+
+
+def padded_empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """The reference's output allocation: in the armed buffer when it fits, filled with NaN
+    (what DeepGEMM leaves unwritten is unspecified; NaN catches a caller that reads it)."""
+    out = _armed_view(shape, dtype, device)
+    if out is None:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return out.fill_(float("nan"))
+
+
+def allocated(value: torch.Tensor) -> torch.Tensor:
+    """`value` in the call's one output allocation (the armed buffer when it fits): for an
+    output the reference computes whole, e.g. the schedule metadata."""
+    out = _armed_view(tuple(value.shape), value.dtype, value.device)
+    return value if out is None else out.copy_(value)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_emu.device import get_num_sms, padded_empty
+from jax_dg.backends.torch_emu.device import allocated, get_num_sms, padded_empty
 from jax_dg.backends.torch_emu.mqa import mx_dequant
 from jax_dg.contracts import SPLIT_KV
 
@@ -39,7 +39,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     dev = context_lens.device
     sm = torch.arange(num_sms + 1, device=dev, dtype=torch.int64)
     if indices is not None:
-        return _varlen_metadata(context_lens.reshape(-1).long().clamp(min=0), indices.reshape(-1), sm)
+        return allocated(_varlen_metadata(context_lens.reshape(-1).long().clamp(min=0),
+                                          indices.reshape(-1), sm))
     b = context_lens.shape[0]
     _expect(b > 0, "batch_size > 0")
     last = context_lens[:, -1].long().clamp(min=0)
@@ -56,7 +57,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     split = torch.where(n > 0, off % n.clamp(min=1), 0)
     out = torch.stack([row + atom, split], 1)
     sentinel = torch.tensor([[b, 0]], device=dev, dtype=torch.int64)
-    return torch.cat([out, sentinel]).to(torch.int32)
+    return allocated(torch.cat([out, sentinel]).to(torch.int32))
 
 
 def _varlen_metadata(ctx: torch.Tensor, indices: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
@@ -142,7 +143,7 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
         b1 = min(b, b0 + step)
         rows = table[b0:b1]
         k = (mx_dequant(values[rows], sf[rows]) if mx else values[rows].float()).view(b1 - b0, t, d)
-        s = torch.einsum("bnhd,btd->bnht", qf[b0:b1], k).relu_()
+        s = torch.einsum("bnhd,btd->bnht", qf[b0:b1].double(), k.double()).float().relu_()
         out = (s * w[b0:b1]).sum(2)                                # [b, next_n, T]
         if not mx:   # the SM90 kernel scales after the head sum
             out = out * sf[rows].view(b1 - b0, 1, t)
