@@ -20,6 +20,13 @@ def dequant(x: torch.Tensor, sf: torch.Tensor, gran_rows: int, gran_cols: int) -
     return x.float() * expand_scales(sf, x.shape[-2], x.shape[-1], gran_rows, gran_cols)
 
 
+def matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y summed in float64, returned as float32. Products of float32 values are exact in
+    float64 and their sums nearly so, so the result does not depend on how the BLAS splits the
+    work by shape and thread count: a shard's rows equal the whole's, as on the GPU."""
+    return (x.double() @ y.double()).float()
+
+
 def check_dims(compiled_dims) -> None:
     """DeepGEMM's bindings take compiled_dims as a string: anything else (None too) is a
     TypeError there, so it is one here."""

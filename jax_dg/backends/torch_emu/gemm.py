@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jax_dg.backends.torch_emu.common import check_dims, dequant
+from jax_dg.backends.torch_emu.common import check_dims, dequant, matmul
 
 __all__ = ["fp8_gemm_nt"]
 
@@ -20,7 +20,7 @@ def fp8_gemm_nt(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, comp
     """d = a @ b.T (+ c), FP8 operands with block scales, fp32 accumulation."""
     check_dims(compiled_dims)
     x, w = _fp8_operands(a, b, recipe)
-    out = x @ w.T
+    out = matmul(x, w.T)
     if c is not None:
         out = out + c.float()
     d.copy_(out)
@@ -37,7 +37,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, d, head_splits, recipe=None, compiled_dims="
     left, mid, right = head_splits
     x, w = _fp8_operands(a, b, recipe)
     m, n = x.shape[0], w.shape[0]
-    out = (x @ w.T).view(m, n // (left + right), left + right)
+    out = matmul(x, w.T).view(m, n // (left + right), left + right)
     heads = d.view(m, n // (left + right), left + mid + right)
     heads[:, :, :left] = out[:, :, :left].to(d.dtype)
     heads[:, :, left + mid:] = out[:, :, left:].to(d.dtype)
@@ -67,7 +67,7 @@ fp8_gemm_nn, fp8_gemm_tn, fp8_gemm_tt = _layouts(fp8_gemm_nt, "fp8_gemm")
 def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk") -> None:
     """d = a @ b.T (+ c), float32 accumulation."""
     check_dims(compiled_dims)
-    out = a.float() @ b.float().T
+    out = matmul(a.float(), b.float().T)
     if c is not None:
         out = out + c.float()
     d.copy_(out)

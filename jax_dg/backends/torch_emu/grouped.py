@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from jax_dg.backends.torch_emu.common import check_dims, dequant
+from jax_dg.backends.torch_emu.common import check_dims, dequant, matmul
 from jax_dg.contracts import LEGACY_MK_ALIGNMENT
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
@@ -49,13 +49,13 @@ def _contiguous(x, w, d, grouped_layout, use_psum_layout=False):
     out = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
     for g in range(w.shape[0]):
         rows = grouped_layout == g
-        out[rows] = x[rows] @ w[g].T
+        out[rows] = matmul(x[rows], w[g].T)
     d.copy_(out)
 
 
 def _masked(x, w, d, masked_m):
     rows = torch.arange(x.shape[1], device=x.device)[None, :] < masked_m[:, None].to(x.device)
-    d.copy_(torch.where(rows[:, :, None], torch.bmm(x, w.mT), 0))
+    d.copy_(torch.where(rows[:, :, None], matmul(x, w.mT), 0))
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, compiled_dims="nk",

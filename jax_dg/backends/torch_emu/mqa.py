@@ -32,8 +32,9 @@ def weighted_relu_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
     out = torch.empty((m, n), dtype=torch.float32, device=q.device)
     rows = max(1, _CHUNK_ELEMENTS // max(h * n, 1))
     for r0 in range(0, m, rows):
-        s = torch.einsum("mhd,nd->mhn", q[r0:r0 + rows], k).relu_()
-        out[r0:r0 + rows] = torch.einsum("mhn,mh->mn", s, w[r0:r0 + rows])
+        # float64 sums: the result does not depend on the chunking or the BLAS's split (common.matmul)
+        s = torch.einsum("mhd,nd->mhn", q[r0:r0 + rows].double(), k.double()).float().relu_()
+        out[r0:r0 + rows] = torch.einsum("mhn,mh->mn", s.double(), w[r0:r0 + rows].double())
     return out
 
 
