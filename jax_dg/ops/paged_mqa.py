@@ -365,7 +365,8 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
                        indices)
         indices = jnp.clip(indices, 0, b - 1)
     if schedule_metadata is not None:
-        schedule_metadata = _trusted_schedule(name, schedule_metadata, given, last, ctx, indices, slots)
+        schedule_metadata = _trusted_schedule(name, schedule_metadata, given, last, ctx, indices, slots,
+                                              min(max_model_len, width * blk))
     if blk == 32:   # entries are read in pairs: even width, and valid ids past each request's blocks
         if width % 2:
             block_tables = jnp.pad(block_tables, ((0, 0), (0, 1)))
@@ -399,10 +400,13 @@ def sanitise_paged(name: str, last, block_tables, num_blocks: int, blk: int, lim
     return last, jnp.where(bad, 0, block_tables)
 
 
-def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots):
-    """The caller's schedule where it is the schedule of the lengths the kernel gets; where
+def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots, limit):
+    """The caller's schedule, trusted as DeepGEMM trusts it but made safe for the lengths the
+    kernel gets (a schedule made for longer rows would send the kernel past them): on SM90 with
+    one atom per row (next_n 1 or 2) a fix-up of [slots + 1] entries that is the identity for
+    DeepGEMM's own schedule (`bounded_schedule`); otherwise (the varlen form, next_n 4), where
     sanitising changed a length, the schedule of the sanitised lengths (DeepGEMM's algorithm in
-    XLA, bit-exact: a schedule made for longer rows would send the kernel past them)."""
+    XLA). Checked mode verifies that it is the schedule of context_lens."""
     def schedule(lens):
         if indices is None:
             return ref.paged_mqa_logits_metadata(lens, num_sms=slots)
@@ -411,7 +415,36 @@ def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots):
         values.require(name, "schedule_metadata", jnp.all(given_meta == schedule(given_last))[None],
                        "must be get_paged_mqa_logits_metadata(context_lens, block_size) of these "
                        "context_lens")
+    if indices is None and ctx.shape[1] <= 2 and device.target().arch == "sm90":
+        return bounded_schedule(given_meta, last[:, 0], limit)
     return jnp.where(jnp.all(last == given_last), given_meta, schedule(ctx))
+
+
+def bounded_schedule(meta, lens, limit: int):
+    """A paged schedule [S + 1, 2] that DeepGEMM's SM90 kernel walks within bounds for these
+    lengths [B] (each <= `limit`, static), whatever `meta` holds; DeepGEMM's own schedule of
+    `lens` comes back unchanged.
+
+    The kernel (sm90_fp8_paged_mqa_logits.cuh with its scheduler, DeepGEMM 2.5) starts SM s at
+    the (row, 256-token split) meta[s] and walks splits in row-major order, one task per split
+    and at least one per row, until it reaches meta[s + 1] exactly; it writes logits columns
+    [256 y, 256 y + 256) of a task unguarded, and reads context_lens at its start row. So the
+    entries are rounded up into the tasks that exist, made non-decreasing, the first at the
+    first non-empty row, the starts below row B and the sentinel (B, 0): every task is then
+    walked exactly once, by some SM, and nothing past a row's splits or the batch is touched.
+    Each task's result depends on its row and blocks alone: the logits are bitwise the same."""
+    b = lens.shape[0]
+    k = contracts.cdiv(limit, contracts.SPLIT_KV) + 1          # splits per row, as a key's radix
+    assert (b + 1) * k < 2 ** 31, "paged schedule key overflows int32"
+    tasks = jnp.maximum((lens + contracts.SPLIT_KV - 1) // contracts.SPLIT_KV, 1)   # >= 1 a row
+    q = jnp.clip(meta[:, 0], 0, b)
+    y = jnp.maximum(meta[:, 1], 0)
+    over = y >= jnp.where(q < b, tasks[jnp.minimum(q, b - 1)], 1)
+    key = jnp.where(over, jnp.minimum(q + 1, b) * k, q * k + y)      # past a row: the next one
+    first = jnp.where(jnp.any(lens > 0), jnp.argmax(lens > 0), b - 1).astype(I32)
+    key = jnp.minimum(key.at[0].set(first * k), (b - 1) * k + tasks[b - 1] - 1).at[-1].set(b * k)
+    key = jax.lax.cummax(key)
+    return jnp.stack([key // k, key % k], axis=1).astype(I32)
 
 
 @exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)

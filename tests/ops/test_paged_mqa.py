@@ -237,6 +237,52 @@ MEASURED = [   # DeepGEMM 2.5.0 on the H200, num_sms=7, block_kv=64 (mqa.md)
 ]
 
 
+def walk(meta, lens, split_kv=256):
+    """DeepGEMM 2.5's SM90 paged-logits walk (sm90_fp8_paged_mqa_logits.cuh's scheduler), per
+    SM: from meta[s] to meta[s + 1] over (row, split) tasks, at least one per row; returns the
+    tasks walked, or raises where the kernel would leave its arrays (a start row >= B, a task
+    past the logits' stride, an end it never reaches)."""
+    b = len(lens)
+    tasks = [max(-(-int(n) // split_kv), 1) for n in lens]
+    stride_splits = -(-max(int(max(lens)), 1) // split_kv)
+    done = []
+    for s in range(len(meta) - 1):
+        (q, y), end = meta[s], tuple(meta[s + 1])
+        assert 0 <= q < b, f"SM {s} starts at row {q}: reads context_lens[{q}]"
+        for _ in range(sum(tasks) + 1):
+            if (q, y) == end:
+                break
+            assert q < b and y < stride_splits, f"SM {s} writes split {y} of row {q}"
+            done.append((q, y))
+            y += 1
+            if y >= tasks[q]:
+                q, y = q + 1, 0
+        else:
+            raise AssertionError(f"SM {s} never reaches {end}")
+    return done
+
+
+def test_a_given_schedule_is_bounded_and_deep_gemms_own_is_unchanged():
+    """ops.bounded_schedule (what a caller's schedule goes through on SM90): DeepGEMM's schedule
+    of the lengths comes back bitwise; any other (made for longer rows, random) is walked within
+    bounds, every task exactly once."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        b, slots = int(rng.integers(1, 40)), int(rng.choice([4, 16, 132]))
+        limit = 256 * int(rng.integers(1, 24))
+        lens = rng.integers(0, limit + 1, b) * (rng.random(b) > 0.2)
+        lens = np.minimum(lens, limit).astype(np.int32)
+        own = numpy_metadata(lens[:, None], slots)
+        fixed = np.asarray(ops.bounded_schedule(jnp.asarray(own), jnp.asarray(lens), limit))
+        np.testing.assert_array_equal(fixed, own)
+        walked = walk(own, lens)
+        longer = numpy_metadata((lens + rng.integers(0, 4 * limit, b))[:, None].astype(np.int32), slots)
+        noise = rng.integers(-3, b + 4, (slots + 1, 2)).astype(np.int32)
+        for given in (longer, noise):
+            got = walk(np.asarray(ops.bounded_schedule(jnp.asarray(given), jnp.asarray(lens), limit)), lens)
+            assert sorted(got) == sorted(walked) and len(set(got)) == len(got), trial
+
+
 @pytest.mark.parametrize("backend", ["auto", "xla"])
 def test_metadata_reproduces_deep_gemm_measurements(backend):
     for next_n, last, want in MEASURED:
