@@ -18,7 +18,8 @@ Steps, one run, contenders interleaved (timing.compare), same weights, random st
             with jax_dg.fp8_linear's recipe written on deep_gemm (torch_block's autograd
             functions); no optimizer update on either side.
 Ratios: torch / jax_dg (> 1: jax_dg is faster). "check": the two sides agree (prefill: calc_diff
-of the logits; training: the losses' relative difference).
+of the logits; training: the losses' relative difference). "handler entries/step": jax_dg
+handlers entered per decode step after the timing (0: XLA replays the step's command buffers).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def prefill_row(block, twin, size, n):
                         "torch": (lambda: twin.prefill(t_tokens)[0], timing.torch_sync)}, n)
     return {"step": "prefill", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
-            "graph/jax_dg": float("nan"), "rel_err": diff}
+            "graph/jax_dg": float("nan"), "rel_err": diff, "entries": float("nan")}
 
 
 def train_row(block, size, dg, n):
@@ -85,7 +86,8 @@ def train_row(block, size, dg, n):
                         "torch": (torch_step, timing.torch_sync)}, n)
     return {"step": "training", "shape": f"T{size['seq']}", "jax_dg_us": t["jax_dg"], "torch_us": t["torch"],
             "graph_us": float("nan"), "torch/jax_dg": t["torch"] / t["jax_dg"],
-            "graph/jax_dg": float("nan"), "rel_err": abs(float(loss) - t_loss.item()) / abs(float(loss))}
+            "graph/jax_dg": float("nan"), "rel_err": abs(float(loss) - t_loss.item()) / abs(float(loss)),
+            "entries": float("nan")}
 
 
 def decode_state(block, b, ctx, block_size=64):
@@ -122,9 +124,20 @@ def decode_row(block, twin, size, b, n):
                                timing.torch_sync)
     t = timing.compare(contenders, n)
     graph_us = t.get("graph", float("nan"))
+    calls = handler_entries()
+    for _ in range(n):
+        jax_step()
+    timing.jax_sync(held[0].context_lens)
+    entries = (handler_entries() - calls) / n   # after recording: 0 when the step is captured whole
     return {"step": "decode", "shape": f"B{b} ctx{size['ctx']}", "jax_dg_us": t["jax_dg"],
             "torch_us": t["torch"], "graph_us": graph_us, "torch/jax_dg": t["torch"] / t["jax_dg"],
-            "graph/jax_dg": graph_us / t["jax_dg"], "rel_err": float("nan")}
+            "graph/jax_dg": graph_us / t["jax_dg"], "rel_err": float("nan"), "entries": entries}
+
+
+def handler_entries() -> int:
+    """jax_dg's handler entries so far (the bridge's and its own kernels')."""
+    from jax_dg.core import bridge, native
+    return bridge.call_count() + native.call_count()
 
 
 def main(argv=None):
@@ -145,7 +158,7 @@ def main(argv=None):
     plot.write("bench_block", "DeepSeek-V3.2-style block: jax_dg vs PyTorch on deep_gemm", rows, [
         ("step", "step"), ("shape", "shape"), ("jax_dg_us", "jax_dg us"), ("torch_us", "torch us"),
         ("graph_us", "torch graph us"), ("torch/jax_dg", "torch/jax_dg"), ("graph/jax_dg", "graph/jax_dg"),
-        ("rel_err", "check")],
+        ("rel_err", "check"), ("entries", "handler entries/step")],
         label=lambda r: f"{r['step']} {r['shape']}", ratios=["torch/jax_dg", "graph/jax_dg"])
 
 
