@@ -40,7 +40,12 @@ from flax import nnx  # noqa: E402
 import jax_dg  # noqa: E402
 from jax_dg import nn, paged  # noqa: E402
 
-MAX_DIFF = 2e-3          # prefill logits vs the pure-JAX reference (same FP8 math, other kernels)
+# Prefill logits vs the pure-JAX reference (the same FP8 recipe, exact float32 sums). The torch
+# emulation's sums agree to float32 rounding (measured 1.5e-4). DeepGEMM's FP8 tensor-core sums
+# differ from exact ones in the last bits, the FP8 casts between layers turn some of those into
+# one-ulp (6%) steps, and the indexer's and router's top-k turn near-ties into other keys and
+# experts: measured 7.9e-3 on the H200 with 16 of 48 keys kept.
+MAX_DIFF = {"cpu": 2e-3, "gpu": 2e-2}
 # Decode vs prefill for one token: the two paths round differently (the emulation's float32 sums
 # depend on the row count; vmap changes it), and a near-tie top-k pick (an indexer key, an MoE
 # expert) can flip on one ulp. Measured 2.3e-4 at the default size.
@@ -64,9 +69,10 @@ class Block(nnx.Module):
     def _attend(self, q, k, v, idx):
         """q [T, H, hd] attends to its selected keys k/v [S, H, hd] (idx [T, topk], -1 unused)."""
         kk, vv = k[jnp.maximum(idx, 0)], v[jnp.maximum(idx, 0)]            # [T, topk, H, hd]
-        s = jnp.einsum("thd,tkhd->thk", q.astype(jnp.float32), kk.astype(jnp.float32)) * self.hd ** -0.5
-        s = jnp.where((idx >= 0)[:, None, :], s, -jnp.inf)
-        return jnp.einsum("thk,tkhd->thd", jax.nn.softmax(s, axis=-1), vv.astype(jnp.float32))
+        hi = jax.lax.Precision.HIGHEST   # float32 as torch computes it (XLA's GPU default: TF32)
+        s = jnp.einsum("thd,tkhd->thk", q.astype(jnp.float32), kk.astype(jnp.float32), precision=hi)
+        s = jnp.where((idx >= 0)[:, None, :], s * self.hd ** -0.5, -jnp.inf)
+        return jnp.einsum("thk,tkhd->thd", jax.nn.softmax(s, axis=-1), vv.astype(jnp.float32), precision=hi)
 
     def _after_attention(self, x, o):
         """The attention's output projection and the MoE, each added to the residual x [T, dim]."""
@@ -200,8 +206,9 @@ def main(argv=None) -> int:
     with jax_dg.use_backend("xla"):
         ref_logits, _ = jax.vmap(lambda t: block.prefill(t))(tokens)
     diff = jax_dg.calc_diff(logits, ref_logits)
-    print(f"prefill logits vs pure-JAX reference: calc_diff {diff:.2e} (max {MAX_DIFF:g})")
-    ok &= diff < MAX_DIFF
+    limit = MAX_DIFF.get(jax.default_backend(), MAX_DIFF["gpu"])
+    print(f"prefill logits vs pure-JAX reference: calc_diff {diff:.2e} (max {limit:g})")
+    ok &= diff < limit
 
     # A decode step on the prompt's cache gives the logits prefill gives for the same token at
     # the same position (the same token on both sides: an argmax may flip on rounding).

@@ -96,10 +96,13 @@ class LightningIndexer(nnx.Module):
         self.wq_b = FP8Linear(q_lora_rank, n_heads * head_dim, param_dtype=param_dtype, rngs=rngs)
         self.wk = FP8Linear(dim, head_dim, param_dtype=param_dtype, rngs=rngs)
         self.k_norm = nnx.LayerNorm(head_dim, param_dtype=jnp.float32, rngs=rngs)
-        self.weights_proj = nnx.Linear(dim, n_heads, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        # float32 glue at full precision, as torch computes it (XLA's default on GPU is TF32)
+        self.weights_proj = nnx.Linear(dim, n_heads, use_bias=False, param_dtype=param_dtype,
+                                       precision=jax.lax.Precision.HIGHEST, rngs=rngs)
 
     def _rotate(self, x: jax.Array) -> jax.Array:
-        return jnp.matmul(x.astype(jnp.float32), _hadamard(self.head_dim)).astype(jnp.bfloat16)
+        return jnp.matmul(x.astype(jnp.float32), _hadamard(self.head_dim),
+                          precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
 
     def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """bfloat16 [T, head_dim]: the keys of tokens x [T, dim] at positions [T] (unquantised)."""
