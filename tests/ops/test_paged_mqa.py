@@ -14,7 +14,7 @@ import jax_dg
 from jax_dg.operands import paged
 from jax_dg.core import device
 from jax_dg.ops import paged_mqa as ops
-from tests.conftest import digest, same_bits, to_torch
+from tests.conftest import digest, on_deep_gemm, same_bits, to_torch
 from tests.conftest import run as run_jit
 
 FP8 = jnp.float8_e4m3fn
@@ -124,7 +124,10 @@ def assert_logits_close(got, want, lens2d):
     np.testing.assert_array_equal(np.isneginf(got), mask)
     np.testing.assert_allclose(got[~mask], want[~mask], rtol=1e-4, atol=1e-3 * max(np.abs(want[~mask]).max(initial=1), 1))
     if (~mask).any():
-        assert jax_dg.calc_diff(np.where(mask, 0, got), np.where(mask, 0, want)) < 1e-9
+        # the emulation's float64 sums against numpy's; DeepGEMM's float32 sums: 2.6e-9 to 4.4e-9
+        # measured on the H200, below the golden files' logits threshold
+        limit = 5e-6 if on_deep_gemm() else 1e-9
+        assert jax_dg.calc_diff(np.where(mask, 0, got), np.where(mask, 0, want)) < limit
     pos = np.arange(got.shape[1])[None, :]
     np.testing.assert_array_equal(~mask, pos < np.asarray(lens2d).reshape(-1, 1))
 
@@ -168,7 +171,8 @@ def test_clean_logits_false_leaves_the_tail_and_keeps_valid_values():
     raw = run("auto", f(False), q, cache, w, lens, table)
     valid = ~np.isneginf(clean)
     np.testing.assert_array_equal(raw[valid], clean[valid])
-    assert np.isnan(raw[~valid]).any()   # the torch emulation leaves NaN where DeepGEMM leaves junk
+    if not on_deep_gemm():
+        assert np.isnan(raw[~valid]).any()   # the torch emulation leaves NaN where DeepGEMM leaves junk
 
 
 def test_rows_are_cut_to_the_last_rows_length():
@@ -329,6 +333,8 @@ def test_metadata_forms_and_slot_rules():
 
 def test_target_and_num_sms_override(monkeypatch):
     from jax_dg.backends.torch_emu import device as tr
+    if on_deep_gemm():
+        pytest.skip("the emulated target's defaults (a machine without a GPU)")
     t = device.target()
     assert (t.backend, t.platform, t.arch, t.num_sms) == ("torch", "cpu", "sm90", 132)
     monkeypatch.setattr(tr, "_num_sms", 16)
@@ -348,7 +354,7 @@ def test_varlen_metadata_matches_numpy():
         for _ in range(2):
             idx = np.sort(rng.integers(0, max(m // 2, 1), m)).astype(np.int32)
             lens = rng.integers(0, 5000, m).astype(np.int32)
-            for backend in ("auto", "xla"):
+            for backend in ("torch", "xla"):   # an SM100 form: emulated on a GPU too
                 got = run(backend, lambda l, i: jax_dg.get_paged_mqa_logits_metadata(l, 64, 11, i),
                           jnp.asarray(lens), jnp.asarray(idx))
                 np.testing.assert_array_equal(got, numpy_varlen_metadata(lens.tolist(), idx.tolist(), 11))
@@ -359,10 +365,10 @@ def test_varlen_rows_score_like_single_rows():
     q, cache, w, lens, table = make_case(ctx, 1, 32, 64, 64, two_d=False)
     idx = jnp.array([0, 0, 1, 2, 2], jnp.int32)
     f = lambda *a: jax_dg.paged_mqa_logits(*a[:-1], max_model_len=256, indices=a[-1])  # noqa: E731
-    got = run("auto", f, q, cache, w, lens, table, idx)
+    got = run("torch", f, q, cache, w, lens, table, idx)
     assert_logits_close(got, run("xla", f, q, cache, w, lens, table, idx), ctx[:, None])
     np.testing.assert_array_equal(
-        got, run("auto", lambda *a: jax_dg.paged_mqa_logits(*a, max_model_len=256), q, cache, w, lens, table))
+        got, run("torch", lambda *a: jax_dg.paged_mqa_logits(*a, max_model_len=256), q, cache, w, lens, table))
 
 
 def emulate(monkeypatch, arch, backend="torch"):
@@ -427,7 +433,7 @@ def test_paged_sparse_matches_reference_and_dense_gather(fp4):
         return jax_dg.fp8_fp4_paged_sparse_mqa_logits(q, cache, w, meta, nmsb, sbk, clean_logits=clean)
 
     args = (q, cache, w, ctx, table, reqs, idx)
-    got = run("auto", f, *args)
+    got = run("torch", f, *args)
     want = run("xla", f, *args)
     assert got.dtype == jnp.bfloat16 and got.shape == (5, nmsb * sbk)
     got32, want32 = got.astype(np.float32), want.astype(np.float32)
@@ -441,7 +447,7 @@ def test_paged_sparse_matches_reference_and_dense_gather(fp4):
     dense = np.asarray(ref.paged_mqa_logits(q[0], q[1], cache, w, ctx[:, None], table, max_model_len=300))
     gathered = np.take_along_axis(dense, np.clip(token, 0, 299), 1)
     np.testing.assert_allclose(got32[valid], gathered[valid], rtol=2 ** -7, atol=1e-2)
-    raw = run("auto", lambda *a: f(*a, clean=False), *args).astype(np.float32)
+    raw = run("torch", lambda *a: f(*a, clean=False), *args).astype(np.float32)
     np.testing.assert_array_equal(raw[finite], got32[finite])
     assert np.isnan(raw[~finite]).all()
 
@@ -588,7 +594,8 @@ def test_bad_inputs_fail_at_trace_time_naming_the_argument(case, arg):
 
 def test_bad_sparse_inputs_name_the_argument():
     q, cache, w, ctx, table, reqs, idx, page_kv = sparse_case()
-    meta = jax_dg.get_paged_sparse_mqa_logits_metadata(ctx, table, reqs, page_kv, idx, FP8, 16)
+    with jax_dg.use_backend("torch"):
+        meta = jax_dg.get_paged_sparse_mqa_logits_metadata(ctx, table, reqs, page_kv, idx, FP8, 16)
     f = jax_dg.fp8_fp4_paged_sparse_mqa_logits
     checks = [
         (lambda: f((q[0], None), cache, w, meta, 8, 16), "q[1]"),
@@ -606,8 +613,8 @@ def test_bad_sparse_inputs_name_the_argument():
         (lambda: jax_dg.get_paged_sparse_mqa_logits_metadata(ctx[:2], table, reqs, page_kv, idx, FP8, 16),
          "context_lens"),
     ]
-    for call, arg in checks:
-        with pytest.raises(jax_dg.ArgumentError, match=re.escape(f"`{arg}`")):
+    for call, arg in checks:   # SM100 kernels: the emulation's checks on a GPU too
+        with jax_dg.use_backend("torch"), pytest.raises(jax_dg.ArgumentError, match=re.escape(f"`{arg}`")):
             call()
 
 
