@@ -13,9 +13,13 @@ the attention's K/V; training is a few optax steps on a toy next-token task.
 
 What it simplifies of DeepSeek V3.2, and why: the attention is plain multi-head attention over
 the selected keys (V3.2's MLA compresses K/V into a latent; the indexer -> sparse attention
-dataflow, which is what jax_dg serves, is the same); the indexer's own training loss (a KL term
-against the dense attention) is left out, so its weights get no gradient here (its top-k is an
-index); the indexer's simplifications are jax_dg.nn.indexer's.
+dataflow, which is what jax_dg serves, is the same); that attention has no RoPE of its own (V3.2
+decouples a RoPE part of q and k; positions reach this block through the indexer's RoPE and the
+causal selection, which is what the decode loop has to reproduce); the indexer's own training
+loss (a KL term against the dense attention) is left out, so its weights get no gradient here
+(its top-k is an index); the gate is DeepSeek V3's (jax_dg.nn.moe: sigmoid scores, the bias for
+the choice only, group-limited routing) at a toy size: one group, one shared expert; the
+indexer's simplifications are jax_dg.nn.indexer's.
 
 Checks (exit status 1 if one fails): the prefill output against the same block traced with
 JAX_DG_BACKEND=xla (calc_diff), decode's logits for the prefilled positions against prefill's,
