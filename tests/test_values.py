@@ -240,6 +240,8 @@ SM100_ONLY = {"gate_unmapped", "gate_logical_count"}
 
 @pytest.mark.parametrize("case", CASES)
 def test_out_of_range_values_give_the_documented_result(case):
+    if case == "psum_raw" and on_deep_gemm():
+        pytest.skip("rows in no group are unspecified on DeepGEMM with clean=False (see below)")
     fn, bad, good = CASES[case][0]()
     backends = ("torch", "xla") if case in SM100_ONLY else ("auto", "xla")
     same_result(fn, bad, good, backends)
