@@ -238,6 +238,11 @@ struct Slot {
 };
 thread_local Slot t_slot;
 std::atomic<uint64_t> g_landed{0}, g_refused{0}, g_released{0};
+// Landed requests per device: torch's allocation counts are per device, and the capture guard
+// (jax_dg.core.runtime.allocations) subtracts this device's landings from them only (another
+// device's shard may land at the same time on its own thread).
+constexpr int kMaxDevices = 256;
+std::array<std::atomic<uint64_t>, kMaxDevices> g_landed_on{};
 
 extern "C" void* JaxDgLandingAlloc(size_t size, int device, void* /*stream*/) {
   Slot& s = t_slot;
@@ -249,6 +254,7 @@ extern "C" void* JaxDgLandingAlloc(size_t size, int device, void* /*stream*/) {
   }
   s.armed = false;
   g_landed.fetch_add(1, std::memory_order_relaxed);
+  if (device >= 0 && device < kMaxDevices) g_landed_on[device].fetch_add(1, std::memory_order_relaxed);
   return s.ptr;
 }
 
@@ -318,6 +324,9 @@ NB_MODULE(_bridge, m) {
   m.def("landing_refused", []() { return t_slot.refused; });   // this thread's, all time
   m.def("landing_counts", []() {
     return nb::make_tuple(g_landed.load(), g_refused.load(), g_released.load());
+  });
+  m.def("landing_landed_on", [](int device) -> uint64_t {   // landed requests on one device
+    return device >= 0 && device < kMaxDevices ? g_landed_on[device].load() : 0;
   });
   m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
   // The probe: on/off (clears what was recorded), and the events recorded since.

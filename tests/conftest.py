@@ -18,10 +18,6 @@ import pytest  # noqa: E402
 
 import jax_dg  # noqa: E402
 
-# The tests' own float32 math (dense oracles, the layers' glue) at full precision on every
-# platform: XLA's GPU default is TF32, which alone moves results by ~1e-3.
-jax.config.update("jax_default_matmul_precision", "highest")
-
 # Set by scripts/sanitize.sh on the sanitized command only.
 UNDER_SANITIZER = os.environ.get("JAX_DG_SANITIZER") == "1"
 

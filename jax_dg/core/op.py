@@ -177,14 +177,20 @@ class Call:
         op, static = self.op, self.static
         index = {n: i for i, n in enumerate(given)}
         aliases = {index[n]: o for n, o in op.aliases.items() if n in index}
-        target = op.ffi_name + (bridge.GRAPH_SUFFIX if how.graph else "")
         traced = _avals(self.arrays)
 
-        def site_of(full):
+        def plan_of(full):
             plan = op.plan(*full, **pick(op.plan, static)) if op.plan else {}
             assert not plan.keys() & static.keys(), f"{op.name}: a plan entry shadows a static"
-            return Site(op.name, how.runs, tuple(a is not None for a in full), how.graph,
-                        pick(op.run, {**static, **plan})).encode()
+            return plan
+        # a call whose allocation cannot land (a symbolic row count) copies through torch's
+        # allocator: the plain target, never captured
+        graph = how.graph and plan_of(self.arrays).get("lands", True)
+        target = op.ffi_name + (bridge.GRAPH_SUFFIX if graph else "")
+
+        def site_of(full):
+            return Site(op.name, how.runs, tuple(a is not None for a in full), graph,
+                        pick(op.run, {**static, **plan_of(full)})).encode()
         here = (self.types, site_of(self.arrays))
 
         def plain(xs):

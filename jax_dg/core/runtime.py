@@ -66,8 +66,9 @@ def allocations(platform: str) -> int:
     if platform != "cuda":
         return 0
     from jax_dg.core import _bridge   # the extension, loaded after jax (see core/bridge.py)
-    stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
-    return stats["allocation"]["all"]["allocated"] - _bridge.landing_counts()[0]
+    device = torch.cuda.current_device()
+    stats = torch._C._cuda_memoryStats(device)
+    return stats["allocation"]["all"]["allocated"] - _bridge.landing_landed_on(device)
 
 
 def capture_guard(op_name: str, platform: str, run):

@@ -80,11 +80,9 @@ class MoE(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(int32 [T, topk] experts, float32 [T, topk] combine weights) of tokens x [T, dim]."""
-        # the gate in float32 at full precision, as DeepSeek's (XLA's GPU default is TF32), and
-        # the sigmoid written from exp (torch's is exact to float32 rounding)
-        z = jnp.matmul(x.astype(jnp.float32), self.gate[...].T.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)
-        scores = 1 / (1 + jnp.exp(-z))
+        # the gate in float32 at full precision, as DeepSeek's (XLA's GPU default is TF32)
+        scores = jax.nn.sigmoid(jnp.matmul(x.astype(jnp.float32), self.gate[...].T.astype(jnp.float32),
+                                           precision=jax.lax.Precision.HIGHEST))
         biased = scores + self.gate_bias[...]
         if self.n_groups > 1:
             t = x.shape[0]

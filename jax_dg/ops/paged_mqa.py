@@ -415,9 +415,17 @@ def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots, l
         values.require(name, "schedule_metadata", jnp.all(given_meta == schedule(given_last))[None],
                        "must be get_paged_mqa_logits_metadata(context_lens, block_size) of these "
                        "context_lens")
-    if indices is None and ctx.shape[1] <= 2 and device.target().arch == "sm90":
+    if indices is None and ctx.shape[1] <= 2 and _walk_known():
         return bounded_schedule(given_meta, last[:, 0], limit)
     return jnp.where(jnp.all(last == given_last), given_meta, schedule(ctx))
+
+
+def _walk_known() -> bool:
+    """Whether the target's paged kernel walks a schedule as bounded_schedule models it: SM90
+    in DeepGEMM 2.5 and 2.6 (read from their sources; the emulation follows 2.5). Another
+    DeepGEMM keeps the recomputed schedule."""
+    t = device.target()
+    return t.arch == "sm90" and (t.backend != "deep_gemm" or (2, 5) <= deep_gemm.version_tuple() <= (2, 6))
 
 
 def bounded_schedule(meta, lens, limit: int):

@@ -15,6 +15,8 @@ from jax_dg import nn  # noqa: E402
 from jax_dg.operands import paged  # noqa: E402
 from tests.conftest import on_deep_gemm  # noqa: E402
 
+HI = jax.lax.Precision.HIGHEST   # the oracles' float32 math at full precision (XLA's GPU default: TF32)
+
 
 def test_fp8_linear_has_nnx_linears_parameters_and_trains():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
@@ -27,7 +29,7 @@ def test_fp8_linear_has_nnx_linears_parameters_and_trains():
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 32, 256), jnp.bfloat16)
     y = nnx.jit(lambda m, x: m(x))(layer, x)
     assert y.shape == (4, 32, 128) and y.dtype == jnp.bfloat16
-    exact = x.astype(jnp.float32) @ layer.kernel[...].astype(jnp.float32)
+    exact = jnp.matmul(x.astype(jnp.float32), layer.kernel[...].astype(jnp.float32), precision=HI)
     assert jax_dg.calc_diff(y, exact) < 1e-3                    # DeepGEMM's FP8 GEMM bound
 
     def loss(m, x):
@@ -39,7 +41,7 @@ def test_fp8_linear_has_nnx_linears_parameters_and_trains():
         # the FP8 backward, both ways; on DeepGEMM its tensor-core sums and the FP8 casts of the
         # gradients between the GEMMs differ in the last bits (measured 1.4e-6 on the H200)
         assert g.shape == r.shape and jax_dg.calc_diff(g, r) < (1e-5 if on_deep_gemm() else 1e-6)
-    exact_grad = jax.grad(lambda w: jnp.mean((x.astype(jnp.float32) @ w) ** 2))(
+    exact_grad = jax.grad(lambda w: jnp.mean(jnp.matmul(x.astype(jnp.float32), w, precision=HI) ** 2))(
         layer.kernel[...].astype(jnp.float32))
     assert jax_dg.calc_diff(grads.kernel[...], exact_grad) < 1e-2   # FP8 vs exact: the recipe's error
 
@@ -145,13 +147,14 @@ def dense_moe(m, x):
     bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     experts, weights = m.route(x)
     xf = x.astype(jnp.float32)
-    h = jnp.einsum("td,tkfd->tkf", xf, m.w13[...].astype(jnp.float32)[experts])
+    h = jnp.einsum("td,tkfd->tkf", xf, m.w13[...].astype(jnp.float32)[experts], precision=HI)
     g, u = jnp.split(h, 2, axis=-1)
-    y = jnp.einsum("tkf,tkdf->tkd", bf16(jax.nn.silu(g) * u), m.w2[...].astype(jnp.float32)[experts])
+    y = jnp.einsum("tkf,tkdf->tkd", bf16(jax.nn.silu(g) * u), m.w2[...].astype(jnp.float32)[experts],
+                   precision=HI)
     y = (y * weights[..., None]).sum(1)
-    s = xf @ m.shared_in.kernel[...].astype(jnp.float32)
+    s = jnp.matmul(xf, m.shared_in.kernel[...].astype(jnp.float32), precision=HI)
     g, u = jnp.split(s, 2, axis=-1)
-    return y + bf16(jax.nn.silu(g) * u) @ m.shared_out.kernel[...].astype(jnp.float32)
+    return y + jnp.matmul(bf16(jax.nn.silu(g) * u), m.shared_out.kernel[...].astype(jnp.float32), precision=HI)
 
 
 def make_moe(**kw):

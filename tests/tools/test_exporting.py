@@ -67,8 +67,15 @@ def test_symbolic_m_traced_for_a_gpu_copies_the_logits(monkeypatch):
     w, ks = jax.ShapeDtypeStruct((m, 32), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)
     for f in (lambda *a: jax_dg.mqa_logits(*a), lambda *a: jax_dg.indexer_topk(*a, 64)):
         jaxpr = jax.make_jaxpr(f)(q, kv, w, ks, ks)
-        (site,) = [Site.decode(str(dict(e.params["attributes"])["site"])) for e in ffi_eqns(jaxpr.jaxpr)]
+        (e,) = ffi_eqns(jaxpr.jaxpr)
+        site = Site.decode(str(dict(e.params["attributes"])["site"]))
         assert site.static["lands"] is False and site.backend == "deep_gemm"
+        # the copy allocates through torch: the plain target, never captured into a CUDA graph
+        assert not site.graph and not str(e.params["target_name"]).endswith("_graph")
+    q = jax.ShapeDtypeStruct((64, 32, 64), FP8)   # concrete rows land: the graph-safe target
+    w, ks = jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32)
+    (e,) = ffi_eqns(jax.make_jaxpr(lambda *a: jax_dg.mqa_logits(*a))(q, kv, w, ks, ks).jaxpr)
+    assert str(e.params["target_name"]).endswith("_graph")
 
 
 def test_round_trip_in_a_fresh_process(tmp_path, keys):

@@ -17,7 +17,7 @@ __all__ = ["fp8_fp4_mqa_logits", "get_sparse_mqa_logits_metadata",
 
 BLOCK_KV = 256
 # Scores held at once ([rows, H, N] float32 elements).
-_CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ELEMENTS = 1 << 23   # scores per chunk: 64 MiB in float64
 
 
 def _check(ok: bool, what: str) -> None:
@@ -31,9 +31,10 @@ def weighted_relu_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> t
     n = k.shape[0]
     out = torch.empty((m, n), dtype=torch.float32, device=q.device)
     rows = max(1, _CHUNK_ELEMENTS // max(h * n, 1))
+    k64 = k.double()
     for r0 in range(0, m, rows):
         # float64 sums: the result does not depend on the chunking or the BLAS's split (common.matmul)
-        s = torch.einsum("mhd,nd->mhn", q[r0:r0 + rows].double(), k.double()).float().relu_()
+        s = torch.einsum("mhd,nd->mhn", q[r0:r0 + rows].double(), k64).float().relu_()
         out[r0:r0 + rows] = torch.einsum("mhn,mh->mn", s.double(), w[r0:r0 + rows].double())
     return out
 

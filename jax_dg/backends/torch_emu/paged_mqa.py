@@ -138,7 +138,7 @@ def fp8_fp4_paged_mqa_logits(q, fused_kv_cache, weights, context_lens, block_tab
     dtype = torch.float32 if logits_dtype is None else logits_dtype
     storage = padded_empty((b * next_n, -(-max_context_len // 256) * 256), dtype, q_fp.device)
     logits = storage[:, :max_context_len]
-    step = max(1, (1 << 26) // max(next_n * h * t, 1))
+    step = max(1, (1 << 25) // max(next_n * h * t, 1))   # scores per chunk: 256 MiB in float64
     for b0 in range(0, b, step):
         b1 = min(b, b0 + step)
         rows = table[b0:b1]
