@@ -105,8 +105,8 @@ def torch_segment_bytes(nbytes: int) -> int:
     return align(size, TORCH_ROUND_LARGE)
 
 
-def lands(rows: int, stride: int, itemsize: int, segmented: bool) -> bool:
-    """Whether a padded [rows, stride] allocation is routed into the XLA buffer (decided while
+def lands(rows: int, segmented: bool) -> bool:
+    """Whether a padded allocation of `rows` rows is routed into the XLA buffer (decided while
     tracing): always, but for a symbolic row count on torch's CUDA allocator (jax.export),
     whose segment size the trace cannot know: such a buffer is copied."""
     if not segmented:
@@ -121,7 +121,7 @@ def lands(rows: int, stride: int, itemsize: int, segmented: bool) -> bool:
 def landing_rows(rows: int, stride: int, itemsize: int, segmented: bool) -> int:
     """Rows of the XLA buffer a padded [rows, stride] allocation lands in: its own rows, or
     (segmented, i.e. torch's CUDA allocator) enough rows to hold torch's whole segment."""
-    if not segmented or not lands(rows, stride, itemsize, segmented):
+    if not segmented or not lands(rows, segmented):
         return rows
     rows = int(rows)
     return max(rows, cdiv(torch_segment_bytes(rows * stride * itemsize), stride * itemsize))

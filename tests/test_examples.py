@@ -7,6 +7,8 @@ import pathlib
 
 import pytest
 
+from tests.conftest import on_deep_gemm
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -70,17 +72,6 @@ def test_deepseek_v32_block_warms_up(capsys):
     assert "k_grouped_fp8_gemm_nt_contiguous" in ops["training step (forward + backward)"]   # weight grads
 
 
-def on_gpu() -> bool:
-    import jax
-    return jax.default_backend() == "gpu"
-
-
-def block_limit(example) -> float:
-    """calc_diff allowed between the block and its torch twin: the example's own bound against
-    the pure-JAX reference (FP8 pipelines whose top-k choices flip at near-ties on DeepGEMM)."""
-    return example.MAX_DIFF["gpu" if on_gpu() else "cpu"]
-
-
 def block_and_torch_twin():
     """(the example module, its Block at a small size, benchmarks/torch_block.py's Block of the
     same weights: on deep_gemm on a GPU, else on jax_dg's torch emulation of it, and
@@ -109,14 +100,14 @@ def test_the_torch_block_of_bench_block_is_the_examples_block():
     for b in range(2):   # prefill, one sequence at a time
         want = jax.jit(lambda t: block.prefill(t)[0])(tokens[b])
         got = twin.prefill(to_torch(tokens[b]).long())[0]
-        assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy()) < block_limit(example)
+        assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy()) < example.max_diff()
 
     nxt = jnp.array([3, 7], jnp.int32)
     want = example.decode_first(block, tokens, nxt)[0]
     _, cache, k_all, v_all = jax.jit(lambda t: example.prefill_cache(block, t, 41))(tokens)
     state = (to_torch(cache.kv_cache), to_torch(cache.block_tables), to_torch(cache.context_lens))
     got = twin.decode_step(to_torch(nxt).long(), state, to_torch(k_all), to_torch(v_all))
-    assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy()) < block_limit(example)
+    assert jax_dg.calc_diff(np.asarray(want, np.float32), got.float().cpu().numpy()) < example.max_diff()
     assert state[2].tolist() == [41, 41]
 
 
@@ -135,7 +126,7 @@ def test_the_torch_blocks_training_step_is_the_examples():
     t_loss = twin.loss(to_torch(pattern))
     t_loss.backward()
     # two FP8 pipelines (measured 1e-4 apart on the emulation, 2.4e-3 on the H200's DeepGEMM)
-    assert abs(float(loss) - t_loss.item()) < (1e-2 if on_gpu() else 1e-3) * abs(float(loss))
+    assert abs(float(loss) - t_loss.item()) < (1e-2 if on_deep_gemm() else 1e-3) * abs(float(loss))
     as_np = lambda g: np.asarray(g[...], np.float32)  # noqa: E731
     pairs = {"head": (as_np(grads["head"]["kernel"]).T, twin.head.weight.grad),
              "wq_a": (as_np(grads["wq_a"]["kernel"]).T, twin.wq_a.weight.grad),
@@ -144,7 +135,7 @@ def test_the_torch_blocks_training_step_is_the_examples():
              "embed": (as_np(grads["embed"]["embedding"]), twin.embed.grad)}
     diffs = {name: jax_dg.calc_diff(want, got.float().cpu().numpy()) for name, (want, got) in pairs.items()}
     print("gradient calc_diff, JAX block vs torch twin:", {k: f"{v:.1e}" for k, v in diffs.items()})
-    limit = block_limit(example) if on_gpu() else 5e-3   # measured <= 1.8e-3 on the emulation
+    limit = example.max_diff() if on_deep_gemm() else 5e-3   # measured <= 1.8e-3 on the emulation
     assert all(d < limit for d in diffs.values()), diffs
 
 

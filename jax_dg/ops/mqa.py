@@ -88,10 +88,9 @@ def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_log
 
 def _mqa_logits_plan(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
                      logits_dtype="float32"):
-    rows, stride = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
-                                               stride_align)
-    return {"lands": contracts.lands(rows, stride, contracts.LOGITS_ITEMSIZE[logits_dtype],
-                                     device.target().platform == "cuda")}
+    rows, _ = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
+                                          stride_align)
+    return {"lands": contracts.lands(rows, device.target().platform == "cuda")}
 
 
 def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits,

@@ -213,9 +213,7 @@ def _logits_shapes(q, q_sf, kv_cache, weights, context_lens, block_tables, sched
 def _logits_plan(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                  indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
                  stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
-    rows, stride = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
-    return {"lands": contracts.lands(rows, stride, contracts.LOGITS_ITEMSIZE[logits_dtype],
-                                     device.target().platform == "cuda")}
+    return {"lands": contracts.lands(q.shape[0] * q.shape[1], device.target().platform == "cuda")}
 
 
 def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,

@@ -51,9 +51,9 @@ def test_what_the_trace_decided_not_to_land_is_copied():
     landing.land(out, reference_call(4, 8, (3, 5), 4.0), lands=False)
     assert landing.STATS["copied"] == before["copied"] + 1
     assert torch.all(out[:3, :5] == 4)
-    assert contracts.lands(1, 8, 4, False) and contracts.lands(4, 8, 4, True)
+    assert contracts.lands(1, False) and contracts.lands(4, True)
     sym = jax.export.symbolic_shape("m")[0]
-    assert not contracts.lands(sym, 8, 4, True) and contracts.lands(sym, 8, 4, False)
+    assert not contracts.lands(sym, True) and contracts.lands(sym, False)
 
 
 def test_a_larger_allocation_falls_back_to_a_copy():
@@ -185,7 +185,7 @@ def test_gpu_torch_asks_for_the_predicted_segment_and_releases_it(rows):
     before, stats = landing.counts(), dict(landing.STATS)
     for _ in range(3):
         landing.land(out, lambda: torch.zeros((rows, stride), device="cuda")[:rows - 1, :1000],
-                     contracts.lands(rows, stride, 4, True))
+                     contracts.lands(rows, True))
     now = landing.counts()
     assert _bridge.landing_last_request() == contracts.torch_segment_bytes(rows * stride * 4)
     assert now["landed"] - before["landed"] == 3, "the allocation did not land"
