@@ -12,6 +12,8 @@
 // Optional int32 inputs (lo, hi) arrive as zero-size arrays with a `has_*` attribute: the
 // custom call keeps a fixed signature and no fill kernel is added for an absent one.
 //
+// The fused FP8 casts are ffi/cast_fp8.cc; what every handler shares is ffi/handlers.h.
+//
 // In-place kernels (neg_inf_outside, zero_*) are called with input 0 aliased to output 0: they
 // write only some positions of the result buffer and leave the rest as the input had them.
 
@@ -30,6 +32,7 @@
 #include <nanobind/nanobind.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "handlers.h"
 
 #ifdef JAX_DG_CUDA
 #include <cuda_runtime.h>
@@ -48,27 +51,11 @@ extern "C" int JaxDgZeroPaddingRows(void* d, int64_t row_bytes, int rows, int bl
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
+using namespace jax_dg_native;   // NOLINT: the shared helpers
 
 namespace {
 
 constexpr int kMaxK = 4096;   // kernels/topk.cu's limit (JaxDgTopkMaxK), the CPU's too
-
-// Handler entries on every platform: a replayed CUDA graph adds none (tests rely on it).
-std::atomic<uint64_t> g_calls{0};
-
-void Count() { g_calls.fetch_add(1, std::memory_order_relaxed); }
-
-ffi::Error Invalid(const char* kernel, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string("jax_dg native ") + kernel + ": " + what);
-}
-
-bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
-
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
 
 // Element types stored one or more whole bytes per element (the zero kernels write bytes).
 bool WholeBytes(ffi::DataType t) {
@@ -101,17 +88,6 @@ void StartFromInputCpu(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
   if (out.untyped_data() != in.untyped_data() && in.size_bytes() > 0) {
     std::memcpy(out.untyped_data(), in.untyped_data(), in.size_bytes());
   }
-}
-
-// Runs a CPU body; an exception (bad_alloc) becomes an FFI error, never an abort.
-template <typename F>
-ffi::Error Guarded(const char* kernel, F&& body) {
-  try {
-    body();
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("jax_dg native ") + kernel + ": " + e.what());
-  }
-  return ffi::Error::Success();
 }
 
 // ================================ topk ========================================================
@@ -410,16 +386,6 @@ ffi::Error PaddingRowsCpuHandler(ffi::AnyBuffer d, ffi::Buffer<ffi::S32, 1> layo
 // call can be captured into a CUDA graph and replayed.
 #ifdef JAX_DG_CUDA
 
-ffi::Error CudaStatus(const char* kernel, int err) {
-  if (err == 0) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_dg native ") + kernel + ": CUDA error " +
-                              cudaGetErrorString(static_cast<cudaError_t>(err)));
-}
-
-// The launchers report cudaGetLastError() after their launch: clear an error left on this
-// thread by someone else's earlier launch so that it is not reported as ours.
-void ClearStaleError() { (void)cudaGetLastError(); }
-
 // An in-place kernel's result is its input (aliased); if XLA ever hands two buffers, the result
 // starts as a copy of the input, on the stream (a device copy: capture-safe).
 ffi::Error StartFromInputCuda(const char* kernel, const ffi::AnyBuffer& in,
@@ -429,11 +395,6 @@ ffi::Error StartFromInputCuda(const char* kernel, const ffi::AnyBuffer& in,
   }
   return CudaStatus(kernel, cudaMemcpyAsync(out.untyped_data(), in.untyped_data(),
                                             in.size_bytes(), cudaMemcpyDeviceToDevice, stream));
-}
-
-// The zero kernels store 16 bytes at a time (an empty buffer may have any address).
-bool Aligned16(const ffi::AnyBuffer& d) {
-  return d.size_bytes() == 0 || reinterpret_cast<uintptr_t>(d.untyped_data()) % 16 == 0;
 }
 
 ffi::Error TopkCudaHandler(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> logits,
@@ -583,6 +544,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     {ffi::Traits::kCmdBufferCompatible});
 #endif
 
+// ffi/cast_fp8.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDgNativeCastFp8Cpu);
+#ifdef JAX_DG_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDgNativeCastFp8Cuda);
+#endif
+
 namespace {
 
 nb::dict Platforms(XLA_FFI_Handler* cpu, XLA_FFI_Handler* cuda) {
@@ -610,6 +577,8 @@ nb::dict Handlers() {
       Platforms(JaxDgNativeMaskedTailCpu, JAX_DG_CUDA_HANDLER(JaxDgNativeMaskedTailCuda));
   d["jax_dg_native_zero_padding_rows"] =
       Platforms(JaxDgNativePaddingRowsCpu, JAX_DG_CUDA_HANDLER(JaxDgNativePaddingRowsCuda));
+  d["jax_dg_native_cast_fp8"] =
+      Platforms(JaxDgNativeCastFp8Cpu, JAX_DG_CUDA_HANDLER(JaxDgNativeCastFp8Cuda));
   return d;
 }
 #undef JAX_DG_CUDA_HANDLER

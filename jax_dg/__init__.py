@@ -65,6 +65,7 @@ from jax_dg.operands.indexer import (
     per_row_cast_to_fp8,
     varlen_causal_ks_ke,
 )
+from jax_dg.ops.cast import cast_blocks, cast_tokens
 from jax_dg.ops.einsum import einsum, fp8_einsum
 from jax_dg.ops.gemm import (
     bf16_gemm_nn,
@@ -137,6 +138,7 @@ from jax_dg.operands.routing import (
     set_mk_alignment_for_contiguous_layout,
 )
 from jax_dg.operands.scales import (
+    MNMajor,
     get_col_major_tma_aligned_tensor,
     get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_packed_ue8m0_tensor,

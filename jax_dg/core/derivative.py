@@ -23,7 +23,8 @@ Rule = Callable[..., Mapping[str, Any]]
 
 
 def with_vjp(call: Callable, names: Sequence[str], rule: Rule, static: Mapping[str, Any],
-             save: Callable[..., Any] | None = None) -> Callable:
+             save: Callable[..., Any] | None = None,
+             save_primal: Callable[..., Any] | None = None) -> Callable:
     """`call` over arrays xs (named `names`), with `rule` as its reverse mode (jax.custom_vjp).
 
     Without `save`: the outputs are `call(*xs)`, the forward pass keeps the inputs, and the
@@ -33,7 +34,9 @@ def with_vjp(call: Callable, names: Sequence[str], rule: Rule, static: Mapping[s
     the outputs are `call(*xs, saved)`, and the backward pass runs
     `rule(inputs, cts, saved, **static)`: what both directions read (e.g. an operand quantised
     for the forward GEMM and reused, transposed, by the dgrad) is neither computed twice nor
-    recomputed in the backward pass. Not differentiated, the function is call(*xs, save(*xs)).
+    recomputed in the backward pass. Not differentiated, the function is call(*xs, save(*xs)),
+    or call(*xs, save_primal(*xs)) when given: the part of `saved` the forward GEMM reads (what
+    only the backward reads, e.g. transposed casts, is then not computed for inference).
 
     `inputs` is {name: x}; `cts` has the structure of the outputs; `static` (non-array
     arguments) is closed over by `call` and `save` and handed to `rule` as keywords. The rule
@@ -46,7 +49,7 @@ def with_vjp(call: Callable, names: Sequence[str], rule: Rule, static: Mapping[s
         forward = call
     else:
         def forward(*xs):
-            return call(*xs, save(*xs))
+            return call(*xs, (save_primal or save)(*xs))
     f = jax.custom_vjp(forward)
 
     def fwd(*xs):

@@ -24,6 +24,7 @@ TARGETS: dict[str, str] = {
     "neg_inf_outside": "jax_dg_native_neg_inf_outside",
     "zero_masked_tail": "jax_dg_native_zero_masked_tail",
     "zero_padding_rows": "jax_dg_native_zero_padding_rows",
+    "cast_fp8": "jax_dg_native_cast_fp8",
 }
 
 
@@ -103,3 +104,28 @@ def zero_padding_rows(d, layout, *, block: int, skip_padding_blocks: bool) -> ja
     call = jax.ffi.ffi_call(TARGETS["zero_padding_rows"], jax.ShapeDtypeStruct(d.shape, d.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(d, layout, block=int(block), skip_padding_blocks=bool(skip_padding_blocks))
+
+
+def cast_fp8(x, valid_rows, *, per_block: bool, ue8m0: bool, rows_out: bool, cols_out: bool):
+    """DeepGEMM's FP8 casts of x (bfloat16 or float32 [B, R, C], C % 16 == 0) in one pass:
+    (q, sq, qt, sqt), each shape (0,) when not asked for (rows_out: q, sq; cols_out: qt, sqt).
+    Rows r >= valid_rows[b] (int32 [B], or None) are read as 0. Rt = align(R, 16).
+      per token (1 x 128): q fp8 [B, R, C], sq f32 [B, ceil(C/128), align(R, 4)] (MN-major,
+        padding 0); qt fp8 [B, C, Rt] the per-token cast of x.T (rows past R zero), sqt f32
+        [B, ceil(Rt/128), align(C, 4)] (MN-major).
+      per_block (128 x 128): q, sq f32 [B, ceil(R/128), ceil(C/128)]; qt = q.T [B, C, Rt],
+        sqt = sq.T."""
+    b, r, c = x.shape
+    rt, kb, mb = -(-r // 16) * 16, -(-c // 128), -(-r // 128)
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    none = lambda dtype: jax.ShapeDtypeStruct((0,), dtype)   # noqa: E731
+    sq = (b, mb, kb) if per_block else (b, kb, -(-r // 4) * 4)
+    sqt = (b, kb, mb) if per_block else (b, -(-rt // 128), -(-c // 4) * 4)
+    types = [jax.ShapeDtypeStruct((b, r, c), f8) if rows_out else none(f8),
+             jax.ShapeDtypeStruct(sq, f32) if rows_out else none(f32),
+             jax.ShapeDtypeStruct((b, c, rt), f8) if cols_out else none(f8),
+             jax.ShapeDtypeStruct(sqt, f32) if cols_out else none(f32)]
+    valid_rows, has_valid = _optional(valid_rows)
+    call = jax.ffi.ffi_call(TARGETS["cast_fp8"], types, vmap_method="sequential")
+    return tuple(call(x, valid_rows, per_block=bool(per_block), ue8m0=bool(ue8m0),
+                      has_valid=has_valid, rows_out=bool(rows_out), cols_out=bool(cols_out)))

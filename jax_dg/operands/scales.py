@@ -13,6 +13,7 @@ On a GPU the `@pytest.mark.gpu` tests check them bitwise against deep_gemm's own
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -29,6 +30,7 @@ __all__ = [
     "get_mn_major_tma_aligned_tensor", "get_col_major_tma_aligned_tensor",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
     "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor", "transform_sf_into_required_layout",
+    "MNMajor",
 ]
 
 F32 = jnp.float32
@@ -52,6 +54,33 @@ def mn_major_logical(physical: jax.Array, mn: int) -> jax.Array:
     if isinstance(mn, int) and isinstance(physical.shape[-1], int):
         ck.that(mn <= physical.shape[-1], "mn", f"must be <= the buffer's last dim {physical.shape[-1]}", mn)
     return physical[..., :mn].swapaxes(-1, -2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MNMajor:
+    """Scales already stored MN-major and TMA-aligned: what vLLM's `column_major_scales` hand
+    DeepGEMM. `physical` [..., K', align(MN, 4)] is the buffer; the scales are logical
+    [..., MN, K'] (`logical()`). fp8_gemm_nt and the m-grouped FP8 GEMMs take it as a[1] (and
+    fp8_gemm_nt as per-channel b[1]) and hand DeepGEMM the buffer as it is: no layout pass per
+    GEMM. jax_dg.cast_tokens returns its scales so. A pytree (mn static): it crosses jit and vmap.
+    """
+    physical: jax.Array
+    mn: int = dataclasses.field(metadata=dict(static=True))
+
+    def logical(self) -> jax.Array:
+        return mn_major_logical(self.physical, self.mn)
+
+    def logical_type(self) -> jax.ShapeDtypeStruct:
+        """The logical scales' shape and dtype, for checks (no array op)."""
+        *lead, kb, _ = self.physical.shape
+        return jax.ShapeDtypeStruct((*lead, self.mn, kb), self.physical.dtype)
+
+
+def given_mn_major(sf):
+    """(what to check, the physical buffer or None): an MNMajor as its logical type and its
+    buffer, any other scales as they are."""
+    return (sf.logical_type(), sf.physical) if isinstance(sf, MNMajor) else (sf, None)
 
 
 def mn_major_physical(sf: jax.Array) -> jax.Array:

@@ -15,7 +15,7 @@ from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED, M_GROUPED_FP8_MASKED
 from jax_dg.reference import gemm as ref
-from jax_dg.operands.scales import mn_major_logical, mn_major_physical
+from jax_dg.operands.scales import given_mn_major, mn_major_logical, mn_major_physical
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -243,6 +243,7 @@ def _fp8_public(storage: str, doc: str):
         ck = Checker(name)
         av, sfa = ck.pair(a, "a")
         bv, sfb = ck.pair(b, "b")
+        (sfa, given_a), (sfb, given_b) = given_mn_major(sfa), given_mn_major(sfb)
         ck.ndim(bv, "b[0]", 2, _grid_text(b_n, "N", "K"))
         ck.ndim(sfb, "b[1]", 2, "scales")
         n = bv.shape[1] if b_n else bv.shape[0]
@@ -251,10 +252,13 @@ def _fp8_public(storage: str, doc: str):
         recipe = ck.recipe(recipe)
         out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else ck.dtype_name(out_dtype, "out_dtype")
         phys_a, phys_b = _mn_major(storage, recipe)
+        for given, phys, arg in ((given_a, phys_a, "a[1]"), (given_b, phys_b, "b[1]")):
+            ck.that(given is None or phys, arg, "is MN-major (MNMajor), which only fp8_gemm_nt's "
+                    "per-token a and per-channel b scales take")
         if phys_a or phys_b:   # check what the caller gave, then hand the kernel its layout
             _fp8_shapes(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
-            sfa = mn_major_physical(sfa) if phys_a else sfa
-            sfb = mn_major_physical(sfb) if phys_b else sfb
+            sfa = (mn_major_physical(sfa) if given_a is None else given_a) if phys_a else sfa
+            sfb = (mn_major_physical(sfb) if given_b is None else given_b) if phys_b else sfb
         (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe,
                                  compiled_dims=ck.compiled_dims(compiled_dims))
         return d
@@ -268,6 +272,8 @@ fp8_gemm_nt = _fp8_public("nt", """d = a @ b.T (+ c) on FP8 operands with DeepSe
     a: (values float8_e4m3fn [M, K], scales float32 [M, ceil(K/128)])      per token (1 x 128)
     b: (values float8_e4m3fn [N, K], scales float32 [ceil(N/128), ceil(K/128)])  per block
        or scales float32 [N, ceil(K/128)]: per channel, recipe (1, 1, 128)
+       Per-token a and per-channel b scales may come already MN-major (an MNMajor, e.g. from
+       jax_dg.cast_tokens): handed to DeepGEMM as they are, with no layout pass in the call.
     c: float32 [M, N] accumulator, required by (and only by) the per-channel recipe; XLA may
        donate its buffer to d.
     out_dtype: bfloat16 for the per-block recipe, float32 for the per-channel one (the default

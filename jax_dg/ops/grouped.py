@@ -27,7 +27,7 @@ from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, declared, exposes
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.routing import get_mk_alignment_for_contiguous_layout
-from jax_dg.operands.scales import mn_major_logical, mn_major_physical
+from jax_dg.operands.scales import given_mn_major, mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -81,9 +81,10 @@ def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
     """a's per-token scales as the op takes them: checked as the caller gave them, then their
     MN-major physical buffer, which DeepGEMM's SM90 kernels read as they are (no allocation,
     no transpose of its own: what makes the call capture-safe)."""
+    sfa, given = given_mn_major(sfa)
     _m_grouped_operands(ck, a, sfa, b, sfb, fp8=True, masked=masked, physical=False,
                         mk_alignment=1 if masked else get_mk_alignment_for_contiguous_layout())
-    return mn_major_physical(sfa)
+    return mn_major_physical(sfa) if given is None else given
 
 
 SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
@@ -357,7 +358,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, masked_m, expected_m: int, *, clean: bool
     """MoE experts on per-expert batches: d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T
     (DeepGEMM m_grouped_fp8_gemm_nt_masked, old name fp8_m_grouped_gemm_nt_masked).
 
-    a: (values float8_e4m3fn [G, Mmax, K], scales float32 [G, Mmax, ceil(K/128)])
+    a: (values float8_e4m3fn [G, Mmax, K], scales float32 [G, Mmax, ceil(K/128)], or an
+       MNMajor of them, e.g. from jax_dg.cast_tokens: taken as it is, no layout pass)
     b: (values float8_e4m3fn [G, N, K], scales float32 [G, ceil(N/128), ceil(K/128)])
     masked_m: int32 [G], the valid rows of each group; expected_m: static int > 0, a hint for
     DeepGEMM's tile heuristics (typical rows per group).

@@ -11,9 +11,16 @@ FP8 GEMMs (no XLA dot on dequantised values):
          (1, 1, 128) onto zeros.
 The quantisers are straight-through: gradients are those of the unquantised product.
 
+The casts are jax_dg's fused quantisers (jax_dg.ops.cast: one pass per operand, scales
+written in the layout DeepGEMM reads, the transposed casts from the same read): three per step,
+x and w in the forward pass, dy in the backward, bitwise the separate per-token and per-block
+casts they replace.
+
 Both layers go through jax_dg.core.derivative.with_vjp, the one backward mechanism (Ops use it
-for their records' `vjp`): the forward pass quantises w once (`save`), its GEMM reads it, and
-the rule (`_linear_vjp`, `_grouped_vjp`) reuses it transposed for the dgrad.
+for their records' `vjp`): the forward pass casts x and w once (`save`), with their transposed
+casts when differentiated, its GEMM reads them, and the rule (`_linear_vjp`, `_grouped_vjp`)
+reuses the transposed ones for the dgrad and the wgrad. Not differentiated (`save_primal`),
+nothing transposed is written.
 """
 
 from __future__ import annotations
@@ -23,14 +30,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_dg.contracts import align
 from jax_dg.core import derivative
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import exposes
-from jax_dg.ops.gemm import FP8_GEMM, fp8_gemm_nt
+from jax_dg.ops.cast import cast_blocks, cast_tokens
+from jax_dg.ops.gemm import FP8_GEMM, RECIPE_CHANNEL, fp8_gemm_nt
 from jax_dg.ops.grouped import K_GROUPED_FP8, M_GROUPED_FP8_MASKED, k_grouped_fp8_gemm_nt_contiguous, \
     m_grouped_fp8_gemm_nt_masked
-from jax_dg.operands.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -50,38 +56,27 @@ def _check_linear(ck: Checker, x, w) -> tuple[int, int]:
     return n, k
 
 
-def _pad_rows(x, multiple: int):
-    m = x.shape[0]
-    return x if m % multiple == 0 else jnp.pad(x, ((0, align(m, multiple) - m), (0, 0)))
+def _linear_save(x2, w, *, transposed: bool = True):
+    """One fused cast per operand (jax_dg.ops.cast): x per token and w per block for the
+    forward GEMM; with `transposed` (differentiated), from the same reads, x.T per token for
+    the wgrad and w.T's blocks for the dgrad."""
+    x, xt = cast_tokens(x2, transposed=transposed)
+    w_, wt = cast_blocks(w, transposed=transposed)
+    return {"x": x, "w": w_, "xt": xt, "wt": wt}
 
 
-def _t_fp8(q):
-    """FP8 values and 128 x 128 block scales of w.T from those of w (no re-quantisation)."""
-    return q[0].T, q[1].T
-
-
-def _linear_save(x2, w):
-    """What the forward GEMM and the dgrad both read: w per 128 x 128 block."""
-    return per_block_cast_to_fp8(w)
-
-
-def _linear_call(x2, w, wq):
-    return fp8_gemm_nt(per_token_cast_to_fp8(x2), wq)
-
-
-def _wgrad(g, x2):
-    """dw = g.T @ x2 [N, K] float32: both quantised along M, accumulated onto zeros."""
-    m16 = _pad_rows(g, 16), _pad_rows(x2, 16)    # zero rows add nothing; K % 16 of the GEMM
-    gt, xt = m16[0].T, m16[1].T                  # [N, M'], [K, M']
-    zeros = jnp.zeros((g.shape[1], x2.shape[1]), F32)
-    return fp8_gemm_nt(per_token_cast_to_fp8(gt), per_token_cast_to_fp8(xt), c=zeros)
+def _linear_call(x2, w, saved):
+    return fp8_gemm_nt(saved["x"], saved["w"])
 
 
 def _linear_vjp(inputs, cts, saved):
-    """(dx, dw) of y = x2 @ w.T: dgrad on w's saved blocks transposed, wgrad along M."""
-    g = cts.astype(BF16)
-    dx = fp8_gemm_nt(per_token_cast_to_fp8(g), _t_fp8(saved))          # [M, K] bf16
-    return {"x": dx, "w": _wgrad(g, inputs["x"])}
+    """(dx, dw) of y = x2 @ w.T: dgrad on w's saved blocks transposed; wgrad along M (rows
+    padded to 16 by the cast), both from one cast of dy."""
+    g, gt = cast_tokens(cts.astype(BF16), transposed=True)
+    dx = fp8_gemm_nt(g, saved["wt"])                                     # [M, K] bf16
+    n, k = gt[0].shape[0], saved["xt"][0].shape[0]
+    dw = fp8_gemm_nt(gt, saved["xt"], c=jnp.zeros((n, k), F32), recipe=RECIPE_CHANNEL)
+    return {"x": dx, "w": dw}
 
 
 @exposes(FP8_GEMM["nt"])
@@ -95,42 +90,44 @@ def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     ck = Checker("fp8_linear")
     n, k = _check_linear(ck, x, w)
     lead = x.shape[:-1]
-    linear = derivative.with_vjp(_linear_call, ("x", "w"), _linear_vjp, {}, save=_linear_save)
+    linear = derivative.with_vjp(_linear_call, ("x", "w"), _linear_vjp, {}, save=_linear_save,
+                                 save_primal=functools.partial(_linear_save, transposed=False))
     return linear(x.reshape(-1, k), w).reshape(*lead, n)
 
 
 # --- MoE experts: the masked layout --------------------------------------------------------------
 
-def _grouped_save(x, w, masked_m):
-    """w per 128 x 128 block, per group: the forward's and the dgrad's operand."""
-    return jax.vmap(per_block_cast_to_fp8)(w)
+def _grouped_save(x, w, masked_m, *, transposed: bool = True):
+    """x per token (rows past masked_m read as 0) and w per block per group, for the forward
+    GEMM; with `transposed`, x.T per token (the wgrad's, from x rounded to bfloat16 as the
+    wgrad's operands are) and w.T's blocks (the dgrad's)."""
+    x_bf16 = x.dtype == BF16
+    xq, xt = cast_tokens(x, transposed=transposed and x_bf16, valid_rows=masked_m)
+    if transposed and not x_bf16:
+        xt = cast_tokens(x.astype(BF16), transposed=True, rows=False, valid_rows=masked_m)[1]
+    wq, wt = cast_blocks(w, transposed=transposed)
+    return {"x": xq, "w": wq, "xt": xt, "wt": wt}
 
 
-def _grouped_call(x, w, masked_m, b, *, expected_m):
-    return m_grouped_fp8_gemm_nt_masked(jax.vmap(per_token_cast_to_fp8)(x), b, masked_m, expected_m)
+def _grouped_call(x, w, masked_m, saved, *, expected_m):
+    return m_grouped_fp8_gemm_nt_masked(saved["x"], saved["w"], masked_m, expected_m)
 
 
 def _grouped_vjp(inputs, cts, saved, *, expected_m):
-    """(dx, dw) of y[g] = x[g] @ w[g].T over each group's first masked_m rows."""
-    x, masked_m, b = inputs["x"], inputs["masked_m"], saved
-    g_, mmax, _ = x.shape
-    rows = jnp.arange(mmax, dtype=jnp.int32)[None, :, None] < jnp.clip(masked_m, 0, mmax)[:, None, None]
-    g = jnp.where(rows, cts, 0).astype(BF16)           # rows past masked_m were set to 0: no gradient
-    # dgrad: per group dx[g] = dy[g] @ w[g] (w's blocks transposed)
-    bt = (jnp.swapaxes(b[0], 1, 2), jnp.swapaxes(b[1], 1, 2))
-    dx = m_grouped_fp8_gemm_nt_masked(jax.vmap(per_token_cast_to_fp8)(g), bt, masked_m, expected_m)
-    # wgrad: dw[g] = dy[g].T @ x[g], the k-grouped GEMM over each group's Mmax rows (zeros past
-    # masked_m), both quantised along M per channel
-    n, k = g.shape[2], x.shape[2]
-    xs = jnp.where(rows, x, 0).astype(BF16)
-    gt = jnp.swapaxes(g, 1, 2)                          # [G, N, Mmax]
-    xt = jnp.swapaxes(xs, 1, 2)                         # [G, K, Mmax]
-    qa = jax.vmap(per_token_cast_to_fp8)(gt)            # values [G, N, Mmax], scales [G, N, Mmax/128]
-    qb = jax.vmap(per_token_cast_to_fp8)(xt)
-    # the k-grouped layout: group g's [N, Mmax] block row-major, scales [sum(ks)/128, N]
-    a = (qa[0].reshape(-1), jnp.swapaxes(qa[1], 1, 2).reshape(-1, n))
-    bb = (qb[0].reshape(-1), jnp.swapaxes(qb[1], 1, 2).reshape(-1, k))
-    dw = k_grouped_fp8_gemm_nt_contiguous(a, bb, [mmax] * g_, c=jnp.zeros((g_, n, k), F32))
+    """(dx, dw) of y[g] = x[g] @ w[g].T over each group's first masked_m rows: one cast of dy
+    (rows past masked_m read as 0: no gradient there) for both GEMMs."""
+    masked_m = inputs["masked_m"]
+    g, gt = cast_tokens(cts.astype(BF16), transposed=True, valid_rows=masked_m)
+    dx = m_grouped_fp8_gemm_nt_masked(g, saved["wt"], masked_m, expected_m)   # dgrad, w.T's blocks
+    # wgrad: dw[g] = dy[g].T @ x[g], the k-grouped GEMM over each group's Mmax rows, both cast
+    # along M: the k-grouped layout is group g's [N, Mmax] block row-major, its scales
+    # [Mmax/128, N] (the MN-major buffer as it is: N % 128 == 0, no padding columns)
+    (gq, gs), (xq, xs) = gt, saved["xt"]
+    groups, n, mmax = gq.shape
+    k = xq.shape[1]
+    a = (gq.reshape(-1), gs.physical.reshape(-1, n))
+    b = (xq.reshape(-1), xs.physical.reshape(-1, k))
+    dw = k_grouped_fp8_gemm_nt_contiguous(a, b, [mmax] * groups, c=jnp.zeros((groups, n, k), F32))
     return {"x": dx, "w": dw}                           # masked_m: integer, no cotangent
 
 
@@ -163,5 +160,6 @@ def fp8_grouped_linear(x: jax.Array, w: jax.Array, masked_m: jax.Array, expected
     expected_m = ck.static_int(expected_m, "expected_m", 1)
     grouped = derivative.with_vjp(functools.partial(_grouped_call, expected_m=expected_m),
                                   ("x", "w", "masked_m"), _grouped_vjp, {"expected_m": expected_m},
-                                  save=_grouped_save)
+                                  save=_grouped_save,
+                                  save_primal=functools.partial(_grouped_save, transposed=False))
     return grouped(x, w, masked_m)
