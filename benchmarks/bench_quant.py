@@ -11,13 +11,18 @@ the dgrad), timed interleaved in one run (benchmarks/timing.py):
   deep_gemm torch deep_gemm.utils.math's quantisers as a torch training step runs them
                   (`.t().contiguous()` for the transposed operands)
   floor           bytes read and written once at the measured device-copy bandwidth
-Ratios: fused / floor (target <= 1.5), separate / fused and torch / fused (> 1: fused faster).
+Columns "us": wall time per call (n back-to-back calls, one sync; a single jitted call also pays
+jax's dispatch of an executable); "gpu us": GPU busy time per call from one CUPTI timeline
+(benchmarks/timeline.py: the union of the call's kernels), with the kernels per call.
+Ratios: fused gpu / floor (target <= 1.5), separate / fused and torch / fused (gpu time; > 1:
+fused faster).
 """
 
 from __future__ import annotations
 
 import timing  # noqa: F401
 import plot
+import timeline   # the CUPTI profiler helpers (record, stats)
 
 import jax
 import jax.numpy as jnp
@@ -69,13 +74,20 @@ def quantisers(n: int, k: int, gbps: float) -> list[dict]:
             sep = jax.jit(lambda a: [(v, mn_major_physical(s)) for v, s in (
                 quant.per_token_cast_to_fp8(a), quant.per_token_cast_to_fp8(a.T))])
             torch_q = (lambda ta=ta: (q(ta), q(ta.t().contiguous())))   # noqa: E731
-        t = timing.compare({"fused": (lambda: fused(a), timing.jax_sync),
-                            "separate": (lambda: sep(a), timing.jax_sync),
-                            "torch": (torch_q, sync_all)}, N_CALLS)
+        runs = {"fused": (lambda: fused(a), timing.jax_sync),
+                "separate": (lambda: sep(a), timing.jax_sync),
+                "torch": (torch_q, sync_all)}
+        t = timing.compare(runs, N_CALLS)
+        groups = timeline.record([(timeline.batch(run, N_CALLS), sync) for run, sync in runs.values()])
+        gpu = {name: timeline.stats(g, N_CALLS) for name, g in zip(runs, groups)}
+        busy = {name: s["busy_us"] for name, s in gpu.items()}
         rows.append({"operand": f"M{M} N{n} K{k} {name} [{r}, {c}]", "floor_us": floor_us,
-                     "fused_us": t["fused"], "separate_us": t["separate"], "deep_gemm_torch_us": t["torch"],
-                     "fused/floor": t["fused"] / floor_us, "separate/fused": t["separate"] / t["fused"],
-                     "torch/fused": t["torch"] / t["fused"]})
+                     "fused_us": t["fused"], "fused_gpu_us": busy["fused"],
+                     "fused_kernels": gpu["fused"]["kernels"], "separate_gpu_us": busy["separate"],
+                     "separate_kernels": gpu["separate"]["kernels"], "torch_gpu_us": busy["torch"],
+                     "torch_kernels": gpu["torch"]["kernels"],
+                     "fused/floor": busy["fused"] / floor_us, "separate/fused": busy["separate"] / busy["fused"],
+                     "torch/fused": busy["torch"] / busy["fused"]})
     return rows
 
 
@@ -86,9 +98,10 @@ def main():
     print(f"device copy: {gbps:.0f} GB/s (read + write)")
     rows = [r for n, k in SHAPES for r in quantisers(n, k, gbps)]
     plot.write("bench_quant", "fused FP8 casts vs their memory floor and the separate quantisers", rows, [
-        ("operand", "operand"), ("floor_us", "floor"), ("fused_us", "fused"), ("separate_us", "separate"),
-        ("deep_gemm_torch_us", "dg torch"), ("fused/floor", "fused/floor"),
-        ("separate/fused", "sep/fused"), ("torch/fused", "torch/fused")],
+        ("operand", "operand"), ("floor_us", "floor"), ("fused_gpu_us", "fused gpu us"),
+        ("fused_kernels", "kernels"), ("fused_us", "fused wall us"), ("separate_gpu_us", "separate gpu us"),
+        ("separate_kernels", "kernels"), ("torch_gpu_us", "dg torch gpu us"), ("torch_kernels", "kernels"),
+        ("fused/floor", "fused/floor"), ("separate/fused", "sep/fused"), ("torch/fused", "torch/fused")],
         label="operand", ratios=["fused/floor", "separate/fused", "torch/fused"],
         ylabel="ratio (fused/floor: target <= 1.5; others > 1: fused faster)")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import timing  # noqa: F401
 import plot
+import timeline   # the CUPTI profiler helpers (record, stats)
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,20 @@ BF16 = jnp.bfloat16
 
 def sync_all(_out=None):
     torch.cuda.synchronize()
+
+
+def where_it_goes(runs: dict) -> dict:
+    """The timeline of jax_dg's step and of torch's bare GEMMs (one CUPTI session): GPU busy and
+    idle per step, kernels per step, and jax_dg's kernels with their time (printed)."""
+    names = ["torch_gemms", "jax_dg"]
+    groups = timeline.record([(timeline.batch(runs[n][0], N_CALLS), runs[n][1]) for n in names])
+    s = {n: timeline.stats(g, N_CALLS) for n, g in zip(names, groups)}
+    for n in names:
+        print(f"  {n}: {s[n]['kernels']:.1f} kernels, busy {s[n]['busy_us']:.1f} us, idle "
+              f"{s[n]['idle_us']:.1f} us per step; " + "; ".join(
+                  f"{k} x{c:.2g} {us:.1f}us" for k, (c, us) in list(s[n]["per_kernel"].items())[:8]))
+    return {"jax_dg_busy_us": s["jax_dg"]["busy_us"], "jax_dg_idle_us": s["jax_dg"]["idle_us"],
+            "jax_dg_kernels": s["jax_dg"]["kernels"], "torch_gemms_busy_us": s["torch_gemms"]["busy_us"]}
 
 
 def torch_step(x, w, dy, quantise: bool):
@@ -77,11 +92,12 @@ def linear_steps(n: int, k: int) -> dict:
         return (y, *vjp(dy))
     f, g = jax.jit(fp8_step), jax.jit(bf16_step)
     tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
-    t = timing.compare({"torch_gemms": (torch_step(tx, tw, tdy, False), sync_all),
-                        "torch_full": (torch_step(tx, tw, tdy, True), sync_all),
-                        "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
-                        "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}, N_CALLS)
-    return {"shape": f"M{M} N{n} K{k}", **{f"{name}_us": v for name, v in t.items()},
+    runs = {"torch_gemms": (torch_step(tx, tw, tdy, False), sync_all),
+            "torch_full": (torch_step(tx, tw, tdy, True), sync_all),
+            "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
+            "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}
+    t = timing.compare(runs, N_CALLS)
+    return {"shape": f"M{M} N{n} K{k}", **{f"{name}_us": v for name, v in t.items()}, **where_it_goes(runs),
             "torch_gemms/jax_dg": t["torch_gemms"] / t["jax_dg"],
             "torch_full/jax_dg": t["torch_full"] / t["jax_dg"], "xla_bf16/jax_dg": t["xla_bf16"] / t["jax_dg"]}
 
@@ -126,10 +142,12 @@ def grouped_steps(groups: int, mmax: int, n: int, k: int) -> dict:
         deep_gemm.m_grouped_fp8_gemm_nt_masked(a_d, b_d, dx, tm, expected)
         deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a_w, b_w, dw, ks, ks_t, c=dw)
     f, g = jax.jit(fp8_step), jax.jit(bf16_step)
-    t = timing.compare({"torch_gemms": (torch_gemms, sync_all),
-                        "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
-                        "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}, N_CALLS)
+    runs = {"torch_gemms": (torch_gemms, sync_all),
+            "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
+            "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}
+    t = timing.compare(runs, N_CALLS)
     return {"shape": f"G{groups} Mmax{mmax} N{n} K{k}", **{f"{name}_us": v for name, v in t.items()},
+            **where_it_goes(runs),
             "torch_gemms/jax_dg": t["torch_gemms"] / t["jax_dg"], "xla_bf16/jax_dg": t["xla_bf16"] / t["jax_dg"]}
 
 
@@ -139,7 +157,9 @@ def main():
     rows = [linear_steps(n, k) for n, k in SHAPES] + [grouped_steps(*s) for s in GROUPED]
     plot.write("bench_train", "FP8 training step, forward + backward (fp8_linear; fp8_grouped_linear)", rows, [
         ("shape", "shape"), ("torch_gemms_us", "torch gemms"), ("torch_full_us", "torch full"),
-        ("jax_dg_us", "jax_dg"), ("xla_bf16_us", "xla bf16"), ("torch_gemms/jax_dg", "gemms/jax_dg"),
+        ("jax_dg_us", "jax_dg"), ("xla_bf16_us", "xla bf16"), ("torch_gemms_busy_us", "gemms gpu busy"),
+        ("jax_dg_busy_us", "jax_dg gpu busy"), ("jax_dg_idle_us", "jax_dg gpu idle"),
+        ("jax_dg_kernels", "jax_dg kernels"), ("torch_gemms/jax_dg", "gemms/jax_dg"),
         ("torch_full/jax_dg", "tfull/jax_dg"), ("xla_bf16/jax_dg", "bf16/jax_dg")],
         label="shape", ratios=["torch_gemms/jax_dg", "torch_full/jax_dg", "xla_bf16/jax_dg"],
         ylabel="speed ratio (> 1: jax_dg faster; gemms/jax_dg: target >= 0.9)")

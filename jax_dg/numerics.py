@@ -36,35 +36,14 @@ def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
 
 def scale_for(amax: jax.Array, use_ue8m0: bool = False) -> jax.Array:
     """DeepGEMM's scale factor max(amax, 1e-4) / 448 (rounded up to a power of two with UE8M0)."""
-    # Optimisation barriers keep the divisions IEEE divisions, as in torch: XLA's simplifier
-    # turns `a / 448` into `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off
-    # in some scales and then in some FP8 values.
-    sf = _divide_by_fp8_max(jnp.maximum(amax, SF_FLOOR))
+    # Both divisions stay IEEE divisions, as in torch: XLA's simplifier turns `a / 448` into
+    # `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off in some scales and then
+    # in some FP8 values. So the divisor is 448 (NaN where amax is NaN, whose scale is NaN
+    # anyway) but not a constant XLA can see: a barrier around a constant does not hold under
+    # jax.vmap, which broadcasts the constant after it. The barrier on sf keeps 1 / sf.
+    sf = jax.lax.optimization_barrier(
+        jnp.maximum(amax, SF_FLOOR) / jnp.where(amax >= -jnp.inf, jnp.float32(FP8_MAX), amax))
     return ceil_to_ue8m0(sf) if use_ue8m0 else sf
-
-
-@jax.custom_batching.custom_vmap
-def _ieee_divide_by_fp8_max(a: jax.Array) -> jax.Array:
-    return jax.lax.optimization_barrier(a / jax.lax.optimization_barrier(jnp.full_like(a, FP8_MAX)))
-
-
-@_ieee_divide_by_fp8_max.def_vmap
-def _ieee_divide_by_fp8_max_vmap(axis_size, in_batched, a):
-    # Element-wise: the batched array goes through as it is. JAX's own rule would make the
-    # divisor a constant of the unbatched shape, broadcast after its barrier, which XLA then
-    # turns into a multiplication by 1/448 (1 ulp off in some scales under jax.vmap).
-    return _ieee_divide_by_fp8_max(a), True
-
-
-@jax.custom_jvp
-def _divide_by_fp8_max(a: jax.Array) -> jax.Array:
-    """a / 448, an IEEE division under jit and vmap alike (see scale_for); differentiable."""
-    return _ieee_divide_by_fp8_max(a)
-
-
-@_divide_by_fp8_max.defjvp
-def _divide_by_fp8_max_jvp(primals, tangents):
-    return _divide_by_fp8_max(primals[0]), tangents[0] / FP8_MAX
 
 
 def cast_with_scale(x: jax.Array, sf: jax.Array) -> jax.Array:

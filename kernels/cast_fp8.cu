@@ -16,7 +16,8 @@
 // taken on the bit patterns of |x|, so a NaN in a block makes its scale NaN, as torch's and
 // XLA's max do.
 //
-// A thread holds 8 rows x 8 columns of its tile in registers (16-byte loads): row maxima by
+// A thread holds 8 rows x 8 columns of its tile in registers (16-byte loads; bfloat16 kept
+// packed, so 4 CTAs fit an SM and overlap each other's phases): row maxima by
 // shuffles within 16 lanes, column maxima by a shuffle and a 4 KiB shared reduction. The
 // transposed values go through a 16 KiB shared tile (8-byte chunks XOR-swizzled: conflict-free
 // writes and reads) and leave as 16-byte stores of whole 128-byte rows. No allocation, one
@@ -73,30 +74,40 @@ __device__ __forceinline__ uint2 Pack8(const float* v, float inv) {
   return make_uint2(w[0], w[1]);
 }
 
+// A thread's 8 x 8 values as loaded (bfloat16 stays packed: half the registers, so more
+// CTAs per SM overlap their loads with the others' casts and stores).
 template <typename In>
-__device__ __forceinline__ void Load8(const In* p, float* v);
+struct Tile;
 
 template <>
-__device__ __forceinline__ void Load8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+struct Tile<__nv_bfloat16> {
+  uint4 raw[8];
+  __device__ __forceinline__ void Load(int i, const __nv_bfloat16* p) { raw[i] = __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void Zero(int i) { raw[i] = make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ float At(int i, int j) const {
+    const uint32_t w = (&raw[i].x)[j >> 1];
+    return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
   }
-}
+};
 
 template <>
-__device__ __forceinline__ void Load8<float>(const float* p, float* v) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
+struct Tile<float> {
+  float v[8][8];
+  __device__ __forceinline__ void Load(int i, const float* p) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[i][0] = a.x; v[i][1] = a.y; v[i][2] = a.z; v[i][3] = a.w;
+    v[i][4] = b.x; v[i][5] = b.y; v[i][6] = b.z; v[i][7] = b.w;
+  }
+  __device__ __forceinline__ void Zero(int i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
+  }
+  __device__ __forceinline__ float At(int i, int j) const { return v[i][j]; }
+};
 
 template <typename In, bool kBlock>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, sizeof(In) == 2 ? 4 : 2)
 CastFp8(Cast p) {
   __shared__ float col_max[kThreads / 32][kTile];
   __shared__ float col_sf[kTile];
@@ -113,20 +124,34 @@ CastFp8(Cast p) {
   const int k = k0 + 8 * c;
   const bool k_in = k < cols;                       // cols % 16 == 0: a vector is all in or out
 
-  float v[8][8];
+  Tile<In> v;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int m = m0 + 8 * rg + i;
     if (k_in && m < valid) {
-      Load8<In>(x + static_cast<int64_t>(m) * cols + k, v[i]);
+      v.Load(i, x + static_cast<int64_t>(m) * cols + k);
     } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
+      v.Zero(i);
     }
   }
 
-  // --- maxima: per row (token), per column (token, transposed), or the whole tile (block) ---
-  float row_amax[8], col_amax[8];
+  // --- rows: per-row maxima and, per token, each row cast as soon as its maximum is known -----
+  // (column maxima gathered on the way; per block, the tile's maximum first, then the rows)
+  uint8_t* q = p.q ? p.q + static_cast<int64_t>(b) * rows * cols : nullptr;
+  const int64_t sq_rows = (cols + kTile - 1) / kTile, sq_len = (rows + 3) / 4 * 4;
+  auto store_row = [&](int i, float sf) {
+    const int m = m0 + 8 * rg + i;
+    if (k_in && m < rows) {
+      float row[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) row[j] = v.At(i, j);
+      *reinterpret_cast<uint2*>(q + static_cast<int64_t>(m) * cols + k) = Pack8(row, __frcp_rn(sf));
+    }
+    if (!kBlock && c == 0 && m < sq_len) {
+      p.sq[(static_cast<int64_t>(b) * sq_rows + blockIdx.x) * sq_len + m] = m < rows ? sf : 0.0f;
+    }
+  };
+  float col_amax[8], tile_amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) col_amax[j] = 0.0f;
 #pragma unroll
@@ -134,21 +159,24 @@ CastFp8(Cast p) {
     float r = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      r = AbsBitsMax(r, v[i][j]);
-      col_amax[j] = AbsBitsMax(col_amax[j], v[i][j]);
+      r = AbsBitsMax(r, v.At(i, j));
+      col_amax[j] = AbsBitsMax(col_amax[j], v.At(i, j));
     }
-    row_amax[i] = r;
+    if (kBlock) {
+      tile_amax = AbsBitsMax(tile_amax, r);
+    } else if (q) {
+#pragma unroll
+      for (int s = 8; s >= 1; s >>= 1) r = AbsBitsMax(r, __shfl_xor_sync(0xffffffffu, r, s));
+      store_row(i, ScaleFor(r, p.ue8m0));
+    }
   }
   float tile_sf = 0.0f;
   if (kBlock) {
-    float t = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) t = AbsBitsMax(t, row_amax[i]);
-#pragma unroll
-    for (int s = 16; s >= 1; s >>= 1) t = AbsBitsMax(t, __shfl_xor_sync(0xffffffffu, t, s));
-    if (lane == 0) block_max[warp] = t;
+    for (int s = 16; s >= 1; s >>= 1) tile_amax = AbsBitsMax(tile_amax, __shfl_xor_sync(0xffffffffu, tile_amax, s));
+    if (lane == 0) block_max[warp] = tile_amax;
     __syncthreads();
-    t = 0.0f;
+    float t = 0.0f;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) t = AbsBitsMax(t, block_max[w]);
     tile_sf = ScaleFor(t, p.ue8m0);
@@ -157,30 +185,9 @@ CastFp8(Cast p) {
       if (p.sq) p.sq[(static_cast<int64_t>(b) * mbs + mb) * kbs + kb] = tile_sf;
       if (p.sqt) p.sqt[(static_cast<int64_t>(b) * kbs + kb) * mbs + mb] = tile_sf;
     }
-  } else {
+    if (q) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int s = 8; s >= 1; s >>= 1) {
-        row_amax[i] = AbsBitsMax(row_amax[i], __shfl_xor_sync(0xffffffffu, row_amax[i], s));
-      }
-    }
-  }
-
-  // --- rows: q and its MN-major scales -------------------------------------------------------
-  if (p.q) {
-    uint8_t* q = p.q + static_cast<int64_t>(b) * rows * cols;
-    const int64_t sq_rows = (cols + kTile - 1) / kTile, sq_len = (rows + 3) / 4 * 4;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int m = m0 + 8 * rg + i;
-      const float sf = kBlock ? tile_sf : ScaleFor(row_amax[i], p.ue8m0);
-      if (k_in && m < rows) {
-        *reinterpret_cast<uint2*>(q + static_cast<int64_t>(m) * cols + k) = Pack8(v[i], __frcp_rn(sf));
-      }
-      if (!kBlock && c == 0 && m < sq_len) {
-        p.sq[(static_cast<int64_t>(b) * sq_rows + blockIdx.x) * sq_len + m] = m < rows ? sf : 0.0f;
-      }
+      for (int i = 0; i < 8; ++i) store_row(i, tile_sf);
     }
   }
   if (!p.qt) return;
@@ -214,7 +221,7 @@ CastFp8(Cast p) {
   for (int j = 0; j < 8; ++j) {
     float col[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) col[i] = v[i][j];
+    for (int i = 0; i < 8; ++i) col[i] = v.At(i, j);
     const float sf = kBlock ? tile_sf : col_sf[8 * c + j];
     // row 8c + j of the tile, logical chunk rg at physical chunk rg ^ c
     *reinterpret_cast<uint2*>(tile_t + (8 * c + j) * kTile + 8 * (rg ^ c)) = Pack8(col, __frcp_rn(sf));
