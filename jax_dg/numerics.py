@@ -36,13 +36,11 @@ def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
 
 def scale_for(amax: jax.Array, use_ue8m0: bool = False) -> jax.Array:
     """DeepGEMM's scale factor max(amax, 1e-4) / 448 (rounded up to a power of two with UE8M0)."""
-    # Both divisions stay IEEE divisions, as in torch: XLA's simplifier turns `a / 448` into
-    # `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off in some scales and then
-    # in some FP8 values. So the divisor is 448 (NaN where amax is NaN, whose scale is NaN
-    # anyway) but not a constant XLA can see: a barrier around a constant does not hold under
-    # jax.vmap, which broadcasts the constant after it. The barrier on sf keeps 1 / sf.
+    # Optimisation barriers keep the divisions IEEE divisions, as in torch: XLA's simplifier
+    # turns `a / 448` into `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off
+    # in some scales and then in some FP8 values.
     sf = jax.lax.optimization_barrier(
-        jnp.maximum(amax, SF_FLOOR) / jnp.where(amax >= -jnp.inf, jnp.float32(FP8_MAX), amax))
+        jnp.maximum(amax, SF_FLOOR) / jax.lax.optimization_barrier(jnp.full_like(amax, FP8_MAX)))
     return ceil_to_ue8m0(sf) if use_ue8m0 else sf
 
 

@@ -28,9 +28,10 @@ from flax import nnx
 
 from jax_dg.contracts import align
 from jax_dg.nn.linear import FP8Linear
-from jax_dg.operands.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from jax_dg.operands.quant import per_token_cast_to_fp8
 from jax_dg.operands.routing import (combine_from_contiguous, combine_from_masked, contiguous_layout,
                                      masked_layout, permute_to_contiguous, permute_to_masked)
+from jax_dg.ops.cast import cast_blocks, cast_tokens
 from jax_dg.ops.grouped import m_grouped_fp8_gemm_nt_contiguous
 from jax_dg.ops.linear import fp8_grouped_linear
 
@@ -127,9 +128,8 @@ class MoE(nnx.Module):
 
     def _contiguous(self, x, experts, weights):
         lay = contiguous_layout(experts, self.n_experts)
-        w13 = jax.vmap(per_block_cast_to_fp8)(self.w13[...])
-        w2 = jax.vmap(per_block_cast_to_fp8)(self.w2[...])
+        (w13, _), (w2, _) = cast_blocks(self.w13[...]), cast_blocks(self.w2[...])   # one kernel each
         a = permute_to_contiguous(per_token_cast_to_fp8(x.astype(jnp.bfloat16)), lay)
         h = m_grouped_fp8_gemm_nt_contiguous(a, w13, lay.grouped_layout)
-        y = m_grouped_fp8_gemm_nt_contiguous(per_token_cast_to_fp8(_swiglu(h)), w2, lay.grouped_layout)
+        y = m_grouped_fp8_gemm_nt_contiguous(cast_tokens(_swiglu(h))[0], w2, lay.grouped_layout)
         return combine_from_contiguous(y, lay, weights, jnp.bfloat16)

@@ -74,8 +74,10 @@ def _reference_one(x, valid, *, per_block, ue8m0, rows_out, cols_out):
 
 def _reference(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
     valid = jnp.full((x.shape[0],), x.shape[1], I32) if valid_rows is None else valid_rows
-    outs = jax.vmap(lambda xb, vb: _reference_one(xb, vb, per_block=per_block, ue8m0=ue8m0,
-                                                  rows_out=rows_out, cols_out=cols_out))(x, valid)
+    # lax.map, not vmap: under vmap XLA turns the quantisers' division by 448 into a
+    # multiplication (1 ulp off in some scales); a loop traces them unbatched
+    outs = jax.lax.map(lambda xv: _reference_one(*xv, per_block=per_block, ue8m0=ue8m0,
+                                                 rows_out=rows_out, cols_out=cols_out), (x, valid))
     empty = lambda dtype: jnp.zeros((0,), dtype)   # noqa: E731
     return (outs[0] if rows_out else empty(FP8), outs[1] if rows_out else empty(F32),
             outs[2] if cols_out else empty(FP8), outs[3] if cols_out else empty(F32))
@@ -145,7 +147,8 @@ def cast_tokens(x: jax.Array, *, transposed: bool = False, use_ue8m0: bool = Fal
 
 @exposes(CAST_FP8)
 def cast_blocks(x: jax.Array, *, transposed: bool = False, use_ue8m0: bool = False):
-    """Per-block FP8 cast (128 x 128) of x bfloat16 / float32 [(B,) R, C], C % 16 == 0, R % 16 == 0.
+    """Per-block FP8 cast (128 x 128) of x bfloat16 / float32 [(B,) R, C], C % 16 == 0 (and
+    R % 16 == 0 with `transposed`).
 
     Returns ((q, sq), (qt, sqt)): q [(B,) R, C], sq float32 [(B,) ceil(R/128), ceil(C/128)]
     (jax_dg.operands.quant.per_block_cast_to_fp8's), and with `transposed` (else None) the
@@ -154,6 +157,7 @@ def cast_blocks(x: jax.Array, *, transposed: bool = False, use_ue8m0: bool = Fal
     """
     ck, ue8m0 = _check("cast_blocks", x, use_ue8m0)
     cols_out = ck.static_bool(transposed, "transposed")
-    ck.that(x.shape[-2] % 16 == 0, "x", "must have R % 16 == 0 (the transposed rows)", x.shape[-2])
+    ck.that(not cols_out or x.shape[-2] % 16 == 0, "x", "must have R % 16 == 0 with transposed "
+            "(16-byte rows of x.T's values)", x.shape[-2])
     q, sq, qt, sqt = _call(x, None, per_block=True, ue8m0=ue8m0, rows_out=True, cols_out=cols_out)
     return (q, sq), (qt, sqt) if cols_out else None
