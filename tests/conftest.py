@@ -85,6 +85,16 @@ def keys():
     return next_key
 
 
+@pytest.fixture
+def cpu_device():
+    """The test runs on the CPU device (where a GPU is the default): formula tests whose oracle
+    is the pure-JAX quantisers, which XLA's GPU code computes 1 ulp off DeepGEMM in some scales
+    (a multiplication by 1/448; jax_dg's own cast is exact there, tests/ops/test_cast.py)."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        yield cpu
+
+
 def run(backend: str, fn, *args):
     """fn under jax.jit with `backend` (use_backend is part of jit's cache key, so the same fn
     jitted under another backend is traced again)."""

@@ -1,5 +1,8 @@
 """FP8 quantisers (DeepGEMM's formulas, bitwise) and the test metric: the product's one
-implementation, which jax_dg.operands.paged, jax_dg.operands.scales, jax_dg.operands.indexer and jax_dg.ops.linear use.
+implementation, whose formulas jax_dg.operands.paged and jax_dg.operands.indexer use too.
+Where jax_dg's fused cast takes the input (float32 / bfloat16, n % 16 == 0, gran_k 128) the two
+quantisers run it (jax_dg.ops.cast: bitwise these formulas, on the GPU too, and one kernel under
+jax.vmap); otherwise the formulas below run in XLA.
 
 Scale factor sf = max(amax of the block, 1e-4) / 448; with `use_ue8m0` it is rounded up to a
 power of two. Values are x * (1 / sf) cast to float8_e4m3fn. The element-wise formulas are
@@ -14,35 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dg import numerics
 from jax_dg.contracts import align
 from jax_dg.core.checks import Checker
 from jax_dg.numerics import FP8, FP8_MAX, cast_with_scale, scale_for  # noqa: F401
+from jax_dg.operands.scales import ceil_to_ue8m0, pack_ue8m0_to_int  # noqa: F401  (public here too)
+from jax_dg.ops.cast import cast_blocks, cast_tokens
 
 __all__ = ["FP8", "FP8_MAX", "ceil_to_ue8m0", "pack_ue8m0_to_int", "scale_for", "cast_with_scale",
            "per_token_cast_to_fp8", "per_block_cast_to_fp8", "calc_diff"]
-
-
-def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
-    """Rounds |x| (float32) up to the next power of two, as DeepGEMM's UE8M0 scales do."""
-    Checker("ceil_to_ue8m0").floating(x, "x")
-    return numerics.ceil_to_ue8m0(x)
-
-
-def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
-    """Packs 4 power-of-two float32 scales (last axis) into one int32 of exponent bytes."""
-    ck = Checker("pack_ue8m0_to_int")
-    ck.dtype(x, "x", jnp.float32)
-    ck.that(len(x.shape) >= 1 and x.shape[-1] % 4 == 0, "x", "must have a last axis divisible by 4",
-            tuple(x.shape))
-    return _pack_ue8m0(x)
-
-
-def _pack_ue8m0(x: jax.Array) -> jax.Array:
-    """The exponent byte of each scale, four to an int32 (first scale in the low byte)."""
-    exps = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23).astype(jnp.uint8)
-    exps = exps.reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
-    return jax.lax.bitcast_convert_type(exps, jnp.int32)
 
 
 def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
@@ -52,14 +34,29 @@ def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
     return ck.static_bool(use_ue8m0, "use_ue8m0"), ck.static_int(gran_k, "gran_k", minimum=1)
 
 
+def _fused(x, gran_k: int) -> bool:
+    """Whether jax_dg's fused cast (jax_dg.ops.cast) takes x: float32 or bfloat16 rows of 16-byte
+    multiples, 128-wide blocks. It is bitwise these formulas on every platform (XLA's GPU code
+    for them is not: it multiplies by 1/448 in some scales, 1 ulp off DeepGEMM's); other
+    shapes and dtypes run the formulas below in XLA."""
+    return gran_k == 128 and x.dtype in (jnp.float32, jnp.bfloat16) and x.shape[1] % 16 == 0
+
+
 def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
-    return _per_token(x, *_check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k))
+    use_ue8m0, gran_k = _check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k)
+    if _fused(x, gran_k):
+        q, sf = cast_tokens(x, use_ue8m0=use_ue8m0)[0]
+        return q, sf.logical()
+    return _per_token(x, use_ue8m0, gran_k)
 
 
 def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
-    return _per_block(x, *_check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k))
+    use_ue8m0, gran_k = _check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k)
+    if _fused(x, gran_k):
+        return cast_blocks(x, use_ue8m0=use_ue8m0)[0]
+    return _per_block(x, use_ue8m0, gran_k)
 
 
 def _per_token(x: jax.Array, use_ue8m0: bool, gran_k: int):

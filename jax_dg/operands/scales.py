@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dg import numerics
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import device
 from jax_dg.core.checks import Checker
-from jax_dg.operands.quant import ceil_to_ue8m0, pack_ue8m0_to_int
 
 __all__ = [
     "ceil_to_ue8m0", "pack_ue8m0_to_int", "get_tma_aligned_size", "mn_major_logical",
@@ -34,6 +34,28 @@ __all__ = [
 ]
 
 F32 = jnp.float32
+
+
+def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
+    """Rounds |x| (float32) up to the next power of two, as DeepGEMM's UE8M0 scales do."""
+    Checker("ceil_to_ue8m0").floating(x, "x")
+    return numerics.ceil_to_ue8m0(x)
+
+
+def pack_ue8m0_to_int(x: jax.Array) -> jax.Array:
+    """Packs 4 power-of-two float32 scales (last axis) into one int32 of exponent bytes."""
+    ck = Checker("pack_ue8m0_to_int")
+    ck.dtype(x, "x", jnp.float32)
+    ck.that(len(x.shape) >= 1 and x.shape[-1] % 4 == 0, "x", "must have a last axis divisible by 4",
+            tuple(x.shape))
+    return _pack_ue8m0(x)
+
+
+def _pack_ue8m0(x: jax.Array) -> jax.Array:
+    """The exponent byte of each scale, four to an int32 (first scale in the low byte)."""
+    exps = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23).astype(jnp.uint8)
+    exps = exps.reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
+    return jax.lax.bitcast_convert_type(exps, jnp.int32)
 
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:

@@ -123,7 +123,7 @@ SHAPES = [(33, 200), (5, 16), (130, 1000), (0, 256), (3, 1)]   # K % 128 != 0 bu
 
 @pytest.mark.parametrize("use_ue8m0", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_product_quantisers_are_bitwise_the_oracles(dtype, use_ue8m0):
+def test_product_quantisers_are_bitwise_the_oracles(dtype, use_ue8m0, cpu_device):
     rng = np.random.default_rng(0)
     jitted = {f: jax.jit(f, static_argnums=(1, 2)) for f in (
         product.per_token_cast_to_fp8, oracle.per_token_cast_to_fp8,

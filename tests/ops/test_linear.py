@@ -69,8 +69,11 @@ def test_fp8_grouped_linear_grads_match_dense_math(keys):
 # The formulation before with_vjp (two plain jax.custom_vjp, the oracle's quantisers), kept here
 # verbatim but for the names: jax.grad of the layers must give the same bits.
 
-def _old_linear(x, w):
-    from jax_dg.reference.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+def _old_linear(x, w, quant=None):
+    """quant: the quantisers' module (default the oracle, jax_dg.reference.quant)."""
+    from jax_dg.reference import quant as oracle
+    per_block_cast_to_fp8 = (quant or oracle).per_block_cast_to_fp8
+    per_token_cast_to_fp8 = (quant or oracle).per_token_cast_to_fp8
     bf16 = jnp.bfloat16
 
     def pad_rows(x, multiple):
@@ -97,8 +100,10 @@ def _old_linear(x, w):
     return linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 
-def _old_grouped_linear(x, w, masked_m, expected_m):
-    from jax_dg.reference.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+def _old_grouped_linear(x, w, masked_m, expected_m, quant=None):
+    from jax_dg.reference import quant as oracle
+    per_block_cast_to_fp8 = (quant or oracle).per_block_cast_to_fp8
+    per_token_cast_to_fp8 = (quant or oracle).per_token_cast_to_fp8
     # per group in a loop (lax.map): under jax.vmap these quantisers are 1 ulp off DeepGEMM's
     # division in some scales on the CPU (XLA multiplies by 1/448); the layer, which vmapped
     # them, inherited that until its fused casts (exact per group) replaced them
@@ -139,7 +144,7 @@ def assert_bitwise(got, want):
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.bfloat16, F32), (F32, jnp.bfloat16)])
-def test_fp8_linear_grads_are_bitwise_the_previous_formulation(keys, x_dtype, w_dtype):
+def test_fp8_linear_grads_are_bitwise_the_previous_formulation(keys, x_dtype, w_dtype, cpu_device):
     x, w, up = linear_case(keys, lead=(3, 37), n=128, k=272, x_dtype=x_dtype)   # M, K % 128 != 0
     w = w.astype(w_dtype)
     new, old = jax_dg.fp8_linear, _old_linear
@@ -151,7 +156,7 @@ def test_fp8_linear_grads_are_bitwise_the_previous_formulation(keys, x_dtype, w_
     assert_bitwise(jax.vjp(new, x, w)[1](ct), jax.vjp(old, x, w)[1](ct))
 
 
-def test_fp8_grouped_linear_grads_are_bitwise_the_previous_formulation(keys):
+def test_fp8_grouped_linear_grads_are_bitwise_the_previous_formulation(keys, cpu_device):
     g, m, n, k = 2, 128, 128, 256
     x = jax.random.normal(keys(), (g, m, k), jnp.bfloat16)
     w = jax.random.normal(keys(), (g, n, k), F32) * 0.05
