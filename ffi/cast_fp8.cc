@@ -8,7 +8,8 @@
 //     past R zero) and sqt f32 [B, ceil(Rt/128), align(C, 4)], 1 x 128 blocks along R of x.T;
 //   block mode: q and sq f32 [B, ceil(R/128), ceil(C/128)] (128 x 128 blocks); qt = q.T [B, C, Rt]
 //     and sqt = sq.T [B, ceil(C/128), ceil(R/128)].
-// sf = max(amax, 1e-4) / 448 (UE8M0: rounded up to a power of two), values RNE(x * (1 / sf)).
+// sf = max(amax, 1e-4) * fl(1/448) (torch's CUDA `/ 448.0`; UE8M0: rounded up to a power of
+// two), values RNE(x * (1 / sf)).
 
 #include <cmath>
 #include <cstring>
@@ -128,7 +129,8 @@ float FromBits(uint32_t u) {
 float AbsBitsMax(float a, float b) { return FromBits(std::max(Bits(a) & 0x7fffffffu, Bits(b) & 0x7fffffffu)); }
 
 float ScaleFor(float amax, bool ue8m0) {
-  const float sf = FromBits(std::max(Bits(amax), 0x38d1b717u)) / 448.0f;   // max(amax, 1e-4f)
+  // max(amax, 1e-4f) * fl(1/448): DeepGEMM's `/ 448.0` as torch runs it on the GPU
+  const float sf = FromBits(std::max(Bits(amax), 0x38d1b717u)) * FromBits(0x3b124925u);
   if (!ue8m0) return sf;
   const uint32_t bits = Bits(sf) & 0x7fffffffu;
   const int e = std::min(std::max(static_cast<int>(bits >> 23) + ((bits & 0x7fffffu) != 0), 1), 254);

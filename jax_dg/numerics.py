@@ -4,7 +4,8 @@ reference (jax_dg.reference.quant, the test oracle) need.
 
 Per block, DeepGEMM (deep_gemm/utils/math.py) computes
 
-    sf     = max(amax of the block, 1e-4) / 448        (rounded up to a power of two: UE8M0)
+    sf     = max(amax of the block, 1e-4) * fl(1/448)  (torch's CUDA `/ 448.0`; UE8M0: rounded
+                                                         up to a power of two)
     values = (x * (1 / sf)) cast to float8_e4m3fn
 
 Only these element-wise formulas live here; how blocks are formed (padding, reshapes, which
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0      # largest finite float8_e4m3fn
 SF_FLOOR = 1e-4      # amax floor: an all-zero block gets sf = 1e-4 / 448, not 0
+INV_FP8_MAX = 1.0 / 448.0   # as float32 0x3b124925: what torch's CUDA division by 448.0 multiplies by
 
 
 def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
@@ -35,12 +37,13 @@ def ceil_to_ue8m0(x: jax.Array) -> jax.Array:
 
 
 def scale_for(amax: jax.Array, use_ue8m0: bool = False) -> jax.Array:
-    """DeepGEMM's scale factor max(amax, 1e-4) / 448 (rounded up to a power of two with UE8M0)."""
-    # Optimisation barriers keep the divisions IEEE divisions, as in torch: XLA's simplifier
-    # turns `a / 448` into `a * (1/448)` and `1 / (a / 448)` into `448 / a`, each 1 ulp off
-    # in some scales and then in some FP8 values.
-    sf = jax.lax.optimization_barrier(
-        jnp.maximum(amax, SF_FLOOR) / jax.lax.optimization_barrier(jnp.full_like(amax, FP8_MAX)))
+    """DeepGEMM's scale factor max(amax, 1e-4) / 448 (rounded up to a power of two with UE8M0),
+    as its torch code computes it on the GPU: torch's CUDA division by a Python scalar is a
+    multiplication by the float reciprocal (ATen's div_true_kernel_cuda), so sf is
+    max(amax, 1e-4) * fl(1/448) (its CPU kernel divides: 1 ulp apart in some scales)."""
+    # The barrier keeps 1 / sf (cast_with_scale) a division of sf: XLA's simplifier would
+    # fold `1 / (a * c)` into another expression, off in some scales and then FP8 values.
+    sf = jax.lax.optimization_barrier(jnp.maximum(amax, SF_FLOOR) * jnp.float32(INV_FP8_MAX))
     return ceil_to_ue8m0(sf) if use_ue8m0 else sf
 
 

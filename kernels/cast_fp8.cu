@@ -11,8 +11,9 @@
 //   block mode (128 x 128 blocks): q, its scales sq [ceil(rows/128), ceil(cols/128)], and qt =
 //         q.T [cols, align(rows, 16)] (the dgrad's w.T) with sqt = sq.T.
 //
-// Arithmetic, bitwise DeepGEMM's: sf = max(amax, 1e-4) / 448 (IEEE division; UE8M0: rounded
-// up to a power of two), values x * (1 / sf) rounded to nearest-even float8_e4m3fn. amax is
+// Arithmetic, bitwise DeepGEMM's on the GPU: sf = max(amax, 1e-4) * fl(1/448) (torch's CUDA
+// `/ 448.0` multiplies by the reciprocal; UE8M0: rounded up to a power of two), values
+// x * (1 / sf) (an IEEE reciprocal) rounded to nearest-even float8_e4m3fn. amax is
 // taken on the bit patterns of |x|, so a NaN in a block makes its scale NaN, as torch's and
 // XLA's max do.
 //
@@ -33,6 +34,7 @@ namespace {
 constexpr int kTile = 128;
 constexpr int kThreads = 256;     // 16 column groups of 8 x 16 row groups of 8
 constexpr uint32_t kFloorBits = 0x38d1b717u;   // 1e-4f
+constexpr uint32_t kInv448Bits = 0x3b124925u;  // fl(1 / 448)
 
 struct Cast {
   const void* x;
@@ -51,7 +53,8 @@ __device__ __forceinline__ float AbsBitsMax(float a, float b) {
 }
 
 __device__ __forceinline__ float ScaleFor(float amax, bool ue8m0) {
-  const float sf = __fdiv_rn(__uint_as_float(max(__float_as_uint(amax), kFloorBits)), 448.0f);
+  // DeepGEMM's `amax / 448.0` as torch runs it on the GPU: times the float reciprocal
+  const float sf = __fmul_rn(__uint_as_float(max(__float_as_uint(amax), kFloorBits)), __uint_as_float(kInv448Bits));
   if (!ue8m0) return sf;
   const uint32_t bits = __float_as_uint(sf) & 0x7fffffffu;
   int e = static_cast<int>(bits >> 23) + ((bits & 0x7fffffu) != 0);

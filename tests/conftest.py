@@ -87,11 +87,10 @@ def keys():
 
 @pytest.fixture
 def cpu_device():
-    """The test runs on the CPU device (where a GPU is the default): formula tests whose oracle
-    is the pure-JAX quantisers, which XLA's GPU code computes 1 ulp off DeepGEMM in some scales
-    (a multiplication by 1/448; jax_dg's own cast is exact there, tests/ops/test_cast.py)."""
+    """The test runs on the CPU device with the torch emulation (where a GPU is the default):
+    tests of one formulation against another, both traced for the CPU."""
     cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
+    with jax.default_device(cpu), jax_dg.use_backend("torch"):
         yield cpu
 
 

@@ -1,10 +1,11 @@
 """FP8 quantisers (DeepGEMM's formulas, bitwise) and the test metric: the product's one
 implementation, whose formulas jax_dg.operands.paged and jax_dg.operands.indexer use too.
 Where jax_dg's fused cast takes the input (float32 / bfloat16, n % 16 == 0, gran_k 128) the two
-quantisers run it (jax_dg.ops.cast: bitwise these formulas, on the GPU too, and one kernel under
-jax.vmap); otherwise the formulas below run in XLA.
+quantisers run it (jax_dg.ops.cast: bitwise these formulas, one kernel, also under jax.vmap);
+otherwise the formulas below run in XLA.
 
-Scale factor sf = max(amax of the block, 1e-4) / 448; with `use_ue8m0` it is rounded up to a
+Scale factor sf = max(amax of the block, 1e-4) / 448 (as torch computes it on the GPU: times the
+float reciprocal, jax_dg.numerics); with `use_ue8m0` it is rounded up to a
 power of two. Values are x * (1 / sf) cast to float8_e4m3fn. The element-wise formulas are
 jax_dg.numerics (shared with the oracle); the blocking, the UE8M0 packing and the checks are
 this module's. It never imports the pure-JAX reference jax_dg.reference.quant (the test
@@ -35,10 +36,9 @@ def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
 
 
 def _fused(x, gran_k: int) -> bool:
-    """Whether jax_dg's fused cast (jax_dg.ops.cast) takes x: float32 or bfloat16 rows of 16-byte
-    multiples, 128-wide blocks. It is bitwise these formulas on every platform (XLA's GPU code
-    for them is not: it multiplies by 1/448 in some scales, 1 ulp off DeepGEMM's); other
-    shapes and dtypes run the formulas below in XLA."""
+    """Whether jax_dg's fused cast (jax_dg.ops.cast: one kernel, also under jax.vmap) takes x:
+    float32 or bfloat16 rows of 16-byte multiples, 128-wide blocks. It is bitwise the formulas
+    below; other shapes and dtypes run those in XLA."""
     return gran_k == 128 and x.dtype in (jnp.float32, jnp.bfloat16) and x.shape[1] % 16 == 0
 
 

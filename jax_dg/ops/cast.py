@@ -74,10 +74,8 @@ def _reference_one(x, valid, *, per_block, ue8m0, rows_out, cols_out):
 
 def _reference(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
     valid = jnp.full((x.shape[0],), x.shape[1], I32) if valid_rows is None else valid_rows
-    # lax.map, not vmap: under vmap XLA turns the quantisers' division by 448 into a
-    # multiplication (1 ulp off in some scales); a loop traces them unbatched
-    outs = jax.lax.map(lambda xv: _reference_one(*xv, per_block=per_block, ue8m0=ue8m0,
-                                                 rows_out=rows_out, cols_out=cols_out), (x, valid))
+    outs = jax.vmap(lambda xb, vb: _reference_one(xb, vb, per_block=per_block, ue8m0=ue8m0,
+                                                  rows_out=rows_out, cols_out=cols_out))(x, valid)
     empty = lambda dtype: jnp.zeros((0,), dtype)   # noqa: E731
     return (outs[0] if rows_out else empty(FP8), outs[1] if rows_out else empty(F32),
             outs[2] if cols_out else empty(FP8), outs[3] if cols_out else empty(F32))

@@ -12,10 +12,11 @@ import jax_dg
 
 
 def deep_gemm_per_custom_dims_cast_to_fp8(x: torch.Tensor, dims, use_ue8m0: bool):
-    """deep_gemm/utils/math.py (2.5.0), verbatim but for ceil_to_ue8m0 inlined."""
+    """deep_gemm/utils/math.py (2.5.0), verbatim but for ceil_to_ue8m0 inlined and `/ 448.0`
+    written as torch computes it on the GPU (times the float reciprocal; its CPU kernel divides)."""
     excluded_dims = tuple([i for i in range(x.dim()) if i not in set(dims)])
     x_amax = x.abs().float().amax(dim=excluded_dims, keepdim=True).clamp(1e-4)
-    sf = x_amax / 448.0
+    sf = x_amax * (1.0 / 448.0)
     if use_ue8m0:
         bits = sf.abs().float().view(torch.int)
         exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()

@@ -13,11 +13,13 @@ from jax_dg.operands import paged
 
 
 def kv_cache_cast_to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """DeepGEMM's test helper (tests/test_attention.py), verbatim but for the device."""
+    """DeepGEMM's test helper (tests/test_attention.py), verbatim but for the device and its
+    `/ 448.0`, written as what torch computes on the GPU (a multiplication by the float
+    reciprocal: ATen's div_true_kernel_cuda; its CPU kernel divides)."""
     num_blocks, block_size, num_heads, head_dim = x.shape
     assert num_heads == 1
     x_amax = x.abs().float().amax(dim=3, keepdim=True).clamp(1e-4)
-    sf = x_amax / 448.0
+    sf = x_amax * (1.0 / 448.0)
     x_scaled = (x * (1.0 / sf)).to(torch.float8_e4m3fn)
     x_fp8 = torch.empty((num_blocks, block_size * (head_dim + 4)), device=x.device, dtype=torch.uint8)
     x_fp8[:, : block_size * head_dim] = x_scaled.view(num_blocks, block_size * head_dim).view(torch.uint8)

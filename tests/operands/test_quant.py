@@ -1,4 +1,9 @@
-"""The JAX quantisers are bitwise DeepGEMM's (deep_gemm/utils/math.py, re-stated in torch here)."""
+"""The JAX quantisers are bitwise DeepGEMM's (deep_gemm/utils/math.py, re-stated in torch here).
+
+DeepGEMM's quantisers run on GPU tensors, where torch's `amax / 448.0` multiplies by the float
+reciprocal (ATen's div_true_kernel_cuda); its CPU kernel divides, 1 ulp apart in some scales.
+The re-statements write the GPU's arithmetic, so these CPU tests check what DeepGEMM gives on
+the GPU (and the GPU tests compare with deep_gemm's own functions there)."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ def dg_per_token(x, use_ue8m0, gran_k=128):
     xp = torch.zeros((m, pn), dtype=x.dtype)
     xp[:, :n] = x
     xv = xp.view(m, pn // gran_k, gran_k)   # explicit sizes (DeepGEMM's -1 fails for m = 0)
-    sf = xv.abs().float().amax(dim=2).view(m, pn // gran_k).clamp(1e-4) / 448.0
+    sf = xv.abs().float().amax(dim=2).view(m, pn // gran_k).clamp(1e-4) * (1.0 / 448.0)
     sf = dg_ceil_to_ue8m0(sf) if use_ue8m0 else sf
     values = (xv * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, pn)[:, :n].contiguous()
     return values, sf
@@ -34,7 +39,7 @@ def dg_per_block(x, use_ue8m0):
     xp = torch.zeros((-(-m // 128) * 128, -(-n // 128) * 128), dtype=x.dtype)
     xp[:m, :n] = x
     xv = xp.view(xp.size(0) // 128, 128, xp.size(1) // 128, 128)
-    sf = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / 448.0
+    sf = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) * (1.0 / 448.0)
     sf = dg_ceil_to_ue8m0(sf) if use_ue8m0 else sf
     values = (xv * (1.0 / sf)).to(torch.float8_e4m3fn)
     return values.view_as(xp)[:m, :n].contiguous(), sf.view(xv.size(0), xv.size(2))

@@ -104,11 +104,7 @@ def _old_grouped_linear(x, w, masked_m, expected_m, quant=None):
     from jax_dg.reference import quant as oracle
     per_block_cast_to_fp8 = (quant or oracle).per_block_cast_to_fp8
     per_token_cast_to_fp8 = (quant or oracle).per_token_cast_to_fp8
-    # per group in a loop (lax.map): under jax.vmap these quantisers are 1 ulp off DeepGEMM's
-    # division in some scales on the CPU (XLA multiplies by 1/448); the layer, which vmapped
-    # them, inherited that until its fused casts (exact per group) replaced them
-    pt, pb = (lambda f: lambda x: jax.lax.map(f, x))(per_token_cast_to_fp8), \
-        (lambda f: lambda x: jax.lax.map(f, x))(per_block_cast_to_fp8)
+    pt, pb = jax.vmap(per_token_cast_to_fp8), jax.vmap(per_block_cast_to_fp8)
 
     def fwd(x, w, masked_m, expected_m):
         b = pb(w)
