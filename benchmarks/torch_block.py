@@ -25,12 +25,17 @@ BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 
 # --- DeepGEMM's FP8 casts (deep_gemm/utils/math.py, float32 scales) ---------------------------
 
+# DeepGEMM's `amax / 448.0` as torch computes it on CUDA tensors (a multiplication by the float
+# reciprocal, ATen's div_true_kernel_cuda), written out so that the CPU run (--tiny) does the same
+INV_448 = 1.0 / 448.0
+
+
 def per_token_cast_to_fp8(x: torch.Tensor):
     """[M, K] -> (float8 [M, K], float32 [M, ceil(K / 128)]), K zero-padded to 128s."""
     m, k = x.shape
     kp = -(-k // 128) * 128
     v = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, kp // 128, 128)
-    sf = v.abs().amax(dim=2).clamp(min=1e-4) / 448.0
+    sf = v.abs().amax(dim=2).clamp(min=1e-4) * INV_448
     return (v * (1.0 / sf.unsqueeze(2))).to(FP8).view(m, kp)[:, :k].contiguous(), sf
 
 
@@ -38,13 +43,13 @@ def per_block_cast_to_fp8(w: torch.Tensor):
     """[(E,) N, K] (multiples of 128) -> (float8 [(E,) N, K], float32 [(E,) N / 128, K / 128])."""
     *e, n, k = w.shape
     v = w.float().view(*e, n // 128, 128, k // 128, 128)
-    sf = v.abs().amax(dim=(-3, -1)).clamp(min=1e-4) / 448.0
+    sf = v.abs().amax(dim=(-3, -1)).clamp(min=1e-4) * INV_448
     return (v * (1.0 / sf[..., :, None, :, None])).to(FP8).view(*e, n, k), sf
 
 
 def per_row_cast_to_fp8(x: torch.Tensor):
     """[N, D] -> (float8 [N, D], float32 [N]): one scale per row (the indexer's)."""
-    sf = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
+    sf = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-4) * INV_448
     return (x.float() * (1.0 / sf)).to(FP8), sf.view(-1)
 
 
