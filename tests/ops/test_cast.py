@@ -261,3 +261,16 @@ def test_gpu_kernel_small_cases_equal_the_cpu_twin(keys):
                 got = jax.jit(f)(x, v)
                 want = [on_cpu(lambda x, v, i=i: f(x, v)[i], x, v) for i in range(4)]
                 assert_bits(got, [jnp.asarray(w) for w in want])
+
+
+def test_mn_major_scales_add_no_layout_op_per_gemm(keys):
+    """Issue 24's small-GEMM chain: scales cast MN-major feed fp8_gemm_nt with no transpose,
+    pad or copy between the cast and the GEMM (logical scales get one layout fusion per GEMM)."""
+    import re
+    x = jax.random.normal(keys(), (64, 7168), BF16)
+    b = product.per_block_cast_to_fp8(jax.random.normal(keys(), (2112, 7168), BF16))
+    ops = lambda f: set(re.findall(r"stablehlo\.(\w+)", jax.jit(f).lower(x).as_text()))   # noqa: E731
+    fused = ops(lambda x: jax_dg.fp8_gemm_nt(cast_tokens(x)[0], b))
+    assert not fused & {"transpose", "pad", "concatenate"}, fused
+    logical = ops(lambda x: jax_dg.fp8_gemm_nt(product.per_token_cast_to_fp8(x), b))
+    assert {"transpose", "pad"} <= logical     # the layout pass MNMajor saves
