@@ -23,6 +23,7 @@ from jax_dg.contracts import align, cdiv
 from jax_dg.core import native
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.scales import MNMajor
 from jax_dg.reference import quant as ref
 
@@ -31,7 +32,7 @@ F32 = jnp.float32
 I32 = jnp.int32
 
 
-def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=False):
+def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=False, aligned=False):
     ck = Checker("cast_fp8")
     ck.ndim(x, "x", 3, "[B, R, C]")
     ck.dtype(x, "x", jnp.bfloat16, F32)
@@ -81,14 +82,31 @@ def _reference(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
             outs[2] if cols_out else empty(FP8), outs[3] if cols_out else empty(F32))
 
 
-def _batch(size, batched, inputs, *, per_block, ue8m0, rows_out, cols_out):
+def _batch(size, batched, inputs, *, per_block, ue8m0, rows_out, cols_out, aligned=False):
     """vmap: the mapped axis folds into the kernel's batch (one launch)."""
     x = fold_rows(bcast(inputs["x"], batched["x"], size))
     v = inputs.get("valid_rows")
     v = None if v is None else bcast(v, batched["valid_rows"], size).reshape(-1)
-    outs = CAST_FP8(x, v, per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out)
+    outs = CAST_FP8(x, v, per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out,
+                    aligned=x.shape[1] % 16 == 0)
     return tuple(jnp.zeros((size, 0), o.dtype) if o.ndim == 1 else o.reshape(size, -1, *o.shape[1:])
                  for o in outs)
+
+
+def _layout(names, *, per_block, rows_out=True, cols_out=False, aligned=False):
+    """Batches and rows split with no collective, columns in whole 128-blocks; a shard casts
+    whole blocks (rows in 128s where a block or the transposed cast spans rows, else in 16s),
+    so its results are the slices of the whole's. `aligned` (R % 16 == 0, which sharding the
+    rows needs) names the MN-major scales' padded dimensions by the rows' factor, so Shardy
+    carries the rows' sharding onto them; the 128-block dimensions of the scales stay factors
+    of their own (small: Shardy may gather them)."""
+    m_pad = "m" if aligned else "ma"
+    sq = "b mb kb" if per_block else f"b kb {m_pad}"
+    sqt = "b kb mb" if per_block else "b mb k"
+    outs = ["b m k" if rows_out else "e0", sq if rows_out else "e1",
+            f"b k {'m' if aligned else 'mt'}" if cols_out else "e2", sqt if cols_out else "e3"]
+    return Layout({"x": "b m k", "valid_rows": "b"}, outs,
+                  multiple={"m": 128 if per_block or cols_out else 16, "k": 128})
 
 
 CAST_FP8 = Op(
@@ -99,6 +117,9 @@ CAST_FP8 = Op(
     reference=_reference,
     own_kernels=("cast_fp8",),
     batch=_batch,
+    sharding=Sharding(_layout, free=frozenset({"b", "m", "k"}),
+                      tied={"kb": ("k", "blocks", 128), "mb": ("m", "blocks", 128),
+                            "ma": ("m", "aligned", 4), "mt": ("m", "aligned", 16)}),
 )
 
 
@@ -113,7 +134,7 @@ def _check(name: str, x, ue8m0) -> tuple[Checker, bool]:
 def _call(x, valid_rows, **static):
     """x [R, C] or [B, R, C] through the op (as [B, R, C]); results with x's leading shape."""
     lead = x.ndim == 2
-    outs = CAST_FP8(x[None] if lead else x, valid_rows, **static)
+    outs = CAST_FP8(x[None] if lead else x, valid_rows, aligned=x.shape[-2] % 16 == 0, **static)
     return tuple(o[0] if lead and o.ndim > 1 else o for o in outs)
 
 

@@ -110,6 +110,20 @@ def main(d: int):
     fpi = lambda q, w, lens, table: jax_dg.paged_indexer_topk(q, cache, w, lens, table, 40, max_model_len=320)  # noqa: E731
     case("paged_indexer_topk/B", fpi, (qp, wp, lens, table), tuple(put(mesh, t, "x") for t in (qp, wp, lens, table)))
 
+    # the fused FP8 casts over rows: values and per-token scales split with no collective; the
+    # 128-row-block scales of the transposed and block casts ([M/128, K], [M/128, K/128]) are a
+    # factor Shardy cannot tie to the rows, so it gathers them (kilobytes); fp8_linear's forward
+    # with its tokens sharded: none (its backward's wgrad contracts the sharded tokens with an
+    # accumulator, which fp8_gemm_nt's rule refuses, as before the fused casts)
+    xr = normal((128 * d, 384))
+    case("cast_tokens/M", jax_dg.cast_tokens, (xr,), (put(mesh, xr, "x"),))
+    fc = lambda x: jax_dg.cast_tokens(x, transposed=True)   # noqa: E731
+    case("cast_tokens_transposed/M", fc, (xr,), (put(mesh, xr, "x"),), expect=("all-gather",))
+    fb = lambda x: jax_dg.cast_blocks(x, transposed=True)   # noqa: E731
+    case("cast_blocks/M", fb, (xr,), (put(mesh, xr, "x"),), expect=("all-gather",))
+    wl = normal((256, 384))
+    case("fp8_linear/M", jax_dg.fp8_linear, (xr, wl), (put(mesh, xr, "x"), wl))
+
     # shapes that do not split raise, naming the rule
     if d == 1:
         return

@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CASES = ["fp8_gemm_nt/M", "fp8_gemm_nt/N", "fp8_gemm_nt/K", "bf16_gemm_nt/M", "bf16_gemm_nt/N",
          "m_grouped_fp8_masked/G", "m_grouped_fp8_contiguous/M", "mqa_logits/M", "paged_mqa_logits/B",
-         "indivisible"]
+         "cast_tokens/M", "cast_tokens_transposed/M", "cast_blocks/M", "fp8_linear/M", "indivisible"]
 
 
 @pytest.fixture(scope="module")
