@@ -8,10 +8,11 @@
                                      `transposed` the values of x.T (the dgrad's w.T)
 
 jax_dg's own kernel (kernels/cast_fp8.cu, a native custom call, capturable; its C++ twin on
-CPU), bitwise equal to jax_dg.operands.quant's quantisers (which are bitwise DeepGEMM's) with
-mn_major_physical after them and the transposes in XLA: the pure-JAX reference below, which is
-`JAX_DG_BACKEND=xla`'s path and the tests' oracle. Rows at or past `valid_rows[b]` are read as 0
-(the masked experts' rows, without a select pass before the cast).
+CPU), bitwise DeepGEMM's quantisers (jax_dg.numerics' formulas) followed by the scales' MN-major
+layout and the transposes: the pure-JAX reference below (jax_dg.reference.quant's quantisers),
+which is `JAX_DG_BACKEND=xla`'s path and the tests' oracle. jax_dg.operands.quant's public
+quantisers run this kernel where it applies. Rows at or past `valid_rows[b]` are read as 0 (the
+masked experts' rows, without a select pass before the cast).
 """
 
 from __future__ import annotations
