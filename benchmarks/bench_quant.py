@@ -31,8 +31,8 @@ import torch
 import deep_gemm
 import jax_dg
 from deep_gemm.utils.math import per_block_cast_to_fp8, per_token_cast_to_fp8
-from jax_dg.operands import quant
 from jax_dg.operands.scales import mn_major_physical
+from jax_dg.reference import quant   # the pure-JAX formulas: what the step ran before the casts
 
 M = 4096
 SHAPES = [(7168, 2048), (2112, 7168), (24576, 1536)]
@@ -46,10 +46,6 @@ def copy_gbps() -> float:
     dst = torch.empty_like(src)
     us = timing.per_call_us(lambda: dst.copy_(src), timing.torch_sync, 10)
     return 2 * src.numel() / us / 1e3
-
-
-def sync_all(_out=None):
-    torch.cuda.synchronize()
 
 
 def quantisers(n: int, k: int, gbps: float) -> list[dict]:
@@ -76,7 +72,7 @@ def quantisers(n: int, k: int, gbps: float) -> list[dict]:
             torch_q = (lambda ta=ta: (q(ta), q(ta.t().contiguous())))   # noqa: E731
         runs = {"fused": (lambda: fused(a), timing.jax_sync),
                 "separate": (lambda: sep(a), timing.jax_sync),
-                "torch": (torch_q, sync_all)}
+                "torch": (torch_q, timing.torch_sync)}
         t = timing.compare(runs, N_CALLS)
         groups = timeline.record([(timeline.batch(run, N_CALLS), sync) for run, sync in runs.values()])
         gpu = {name: timeline.stats(g, N_CALLS) for name, g in zip(runs, groups)}

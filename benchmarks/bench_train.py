@@ -34,10 +34,6 @@ N_CALLS = 20
 BF16 = jnp.bfloat16
 
 
-def sync_all(_out=None):
-    torch.cuda.synchronize()
-
-
 def where_it_goes(runs: dict) -> dict:
     """The timeline of jax_dg's step and of torch's bare GEMMs (one CUPTI session): GPU busy and
     idle per step, kernels per step, and jax_dg's kernels with their time (printed)."""
@@ -92,8 +88,8 @@ def linear_steps(n: int, k: int) -> dict:
         return (y, *vjp(dy))
     f, g = jax.jit(fp8_step), jax.jit(bf16_step)
     tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
-    runs = {"torch_gemms": (torch_step(tx, tw, tdy, False), sync_all),
-            "torch_full": (torch_step(tx, tw, tdy, True), sync_all),
+    runs = {"torch_gemms": (torch_step(tx, tw, tdy, False), timing.torch_sync),
+            "torch_full": (torch_step(tx, tw, tdy, True), timing.torch_sync),
             "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
             "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}
     t = timing.compare(runs, N_CALLS)
@@ -142,7 +138,7 @@ def grouped_steps(groups: int, mmax: int, n: int, k: int) -> dict:
         deep_gemm.m_grouped_fp8_gemm_nt_masked(a_d, b_d, dx, tm, expected)
         deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a_w, b_w, dw, ks, ks_t, c=dw)
     f, g = jax.jit(fp8_step), jax.jit(bf16_step)
-    runs = {"torch_gemms": (torch_gemms, sync_all),
+    runs = {"torch_gemms": (torch_gemms, timing.torch_sync),
             "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
             "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}
     t = timing.compare(runs, N_CALLS)

@@ -106,25 +106,12 @@ def zero_padding_rows(d, layout, *, block: int, skip_padding_blocks: bool) -> ja
     return call(d, layout, block=int(block), skip_padding_blocks=bool(skip_padding_blocks))
 
 
-def cast_fp8(x, valid_rows, *, per_block: bool, ue8m0: bool, rows_out: bool, cols_out: bool):
+def cast_fp8(x, valid_rows, types, *, per_block: bool, ue8m0: bool, rows_out: bool, cols_out: bool):
     """DeepGEMM's FP8 casts of x (bfloat16 or float32 [B, R, C], C % 16 == 0) in one pass:
-    (q, sq, qt, sqt), each shape (0,) when not asked for (rows_out: q, sq; cols_out: qt, sqt).
-    Rows r >= valid_rows[b] (int32 [B], or None) are read as 0. Rt = align(R, 16).
-      per token (1 x 128): q fp8 [B, R, C], sq f32 [B, ceil(C/128), align(R, 4)] (MN-major,
-        padding 0); qt fp8 [B, C, Rt] the per-token cast of x.T (rows past R zero), sqt f32
-        [B, ceil(Rt/128), align(C, 4)] (MN-major).
-      per_block (128 x 128): q, sq f32 [B, ceil(R/128), ceil(C/128)]; qt = q.T [B, C, Rt],
-        sqt = sq.T."""
-    b, r, c = x.shape
-    rt, kb, mb = -(-r // 16) * 16, -(-c // 128), -(-r // 128)
-    f8, f32 = jnp.float8_e4m3fn, jnp.float32
-    none = lambda dtype: jax.ShapeDtypeStruct((0,), dtype)   # noqa: E731
-    sq = (b, mb, kb) if per_block else (b, kb, -(-r // 4) * 4)
-    sqt = (b, kb, mb) if per_block else (b, -(-rt // 128), -(-c // 4) * 4)
-    types = [jax.ShapeDtypeStruct((b, r, c), f8) if rows_out else none(f8),
-             jax.ShapeDtypeStruct(sq, f32) if rows_out else none(f32),
-             jax.ShapeDtypeStruct((b, c, rt), f8) if cols_out else none(f8),
-             jax.ShapeDtypeStruct(sqt, f32) if cols_out else none(f32)]
+    (q, sq, qt, sqt) of `types` (jax_dg.ops.cast's shape rule: per token, q with its MN-major
+    scales and the per-token cast of x.T; per block, q, its block scales and their transposes;
+    shape (0,) where not asked for: rows_out for q, sq, cols_out for qt, sqt). Rows r >=
+    valid_rows[b] (int32 [B], or None) are read as 0."""
     valid_rows, has_valid = _optional(valid_rows)
     call = jax.ffi.ffi_call(TARGETS["cast_fp8"], types, vmap_method="sequential")
     return tuple(call(x, valid_rows, per_block=bool(per_block), ue8m0=bool(ue8m0),

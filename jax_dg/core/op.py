@@ -185,13 +185,14 @@ class Call:
             return plan
         # a call whose allocation cannot land (a symbolic row count) copies through torch's
         # allocator: the plain target, never captured
-        graph = how.graph and plan_of(self.arrays).get("lands", True)
+        plan = plan_of(self.arrays)
+        graph = how.graph and plan.get("lands", True)
         target = op.ffi_name + (bridge.GRAPH_SUFFIX if graph else "")
 
-        def site_of(full):
+        def site_of(full, plan):
             return Site(op.name, how.runs, tuple(a is not None for a in full), graph,
-                        pick(op.run, {**static, **plan_of(full)})).encode()
-        here = (self.types, site_of(self.arrays))
+                        pick(op.run, {**static, **plan})).encode()
+        here = (self.types, site_of(self.arrays, plan))
 
         def plain(xs):
             """The custom call for these arrays' shapes: the traced ones, or a shard's."""
@@ -200,7 +201,7 @@ class Call:
                 types, site = here
             else:   # a shard (custom_partitioning): its own shapes and plan
                 types = tuple(op.shapes(*full, **pick(op.shapes, static)))
-                site = site_of(full)
+                site = site_of(full, plan_of(full))
             fn = jax.ffi.ffi_call(target, types, input_output_aliases=aliases,
                                   vmap_method="sequential")   # only where no batching rule applies
             return self._finish(fn(*xs, site=site), full)

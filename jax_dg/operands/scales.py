@@ -99,15 +99,17 @@ class MNMajor:
         return jax.ShapeDtypeStruct((*lead, self.mn, kb), self.physical.dtype)
 
 
-def given_mn_major(sf):
-    """(what to check, the physical buffer or None): an MNMajor as its logical type and its
-    buffer, any other scales as they are."""
-    return (sf.logical_type(), sf.physical) if isinstance(sf, MNMajor) else (sf, None)
+def logical_view(sf):
+    """What a shape rule checks of scales: an MNMajor's logical type, other scales as they are."""
+    return sf.logical_type() if isinstance(sf, MNMajor) else sf
 
 
-def mn_major_physical(sf: jax.Array) -> jax.Array:
+def mn_major_physical(sf) -> jax.Array:
     """The physical buffer [..., K', align(MN, 4)] of logical [..., MN, K'] scales stored
-    MN-major and TMA-aligned (padding columns 0); the inverse of mn_major_logical."""
+    MN-major and TMA-aligned (padding columns 0); the inverse of mn_major_logical. An MNMajor
+    is that buffer already."""
+    if isinstance(sf, MNMajor):
+        return sf.physical
     mn = sf.shape[-2]
     pad = [(0, 0)] * (sf.ndim - 1) + [(0, get_tma_aligned_size(mn, 4) - mn)]
     return jnp.pad(sf.swapaxes(-1, -2), pad)

@@ -52,8 +52,8 @@ def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=Fa
 
 
 def _native(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
-    return native.cast_fp8(x, valid_rows, per_block=per_block, ue8m0=ue8m0, rows_out=rows_out,
-                           cols_out=cols_out)
+    static = dict(per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out)
+    return native.cast_fp8(x, valid_rows, _shapes(x, valid_rows, **static), **static)
 
 
 def _physical(sf):
@@ -83,13 +83,12 @@ def _reference(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
             outs[2] if cols_out else empty(FP8), outs[3] if cols_out else empty(F32))
 
 
-def _batch(size, batched, inputs, *, per_block, ue8m0, rows_out, cols_out, aligned=False):
+def _batch(size, batched, inputs, *, per_block, ue8m0, rows_out, cols_out):
     """vmap: the mapped axis folds into the kernel's batch (one launch)."""
     x = fold_rows(bcast(inputs["x"], batched["x"], size))
     v = inputs.get("valid_rows")
     v = None if v is None else bcast(v, batched["valid_rows"], size).reshape(-1)
-    outs = CAST_FP8(x, v, per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out,
-                    aligned=x.shape[1] % 16 == 0)
+    outs = _call(x, v, per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out)
     return tuple(jnp.zeros((size, 0), o.dtype) if o.ndim == 1 else o.reshape(size, -1, *o.shape[1:])
                  for o in outs)
 

@@ -15,7 +15,7 @@ from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED, M_GROUPED_FP8_MASKED
 from jax_dg.reference import gemm as ref
-from jax_dg.operands.scales import given_mn_major, mn_major_logical, mn_major_physical
+from jax_dg.operands.scales import MNMajor, logical_view, mn_major_logical, mn_major_physical
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -243,22 +243,23 @@ def _fp8_public(storage: str, doc: str):
         ck = Checker(name)
         av, sfa = ck.pair(a, "a")
         bv, sfb = ck.pair(b, "b")
-        (sfa, given_a), (sfb, given_b) = given_mn_major(sfa), given_mn_major(sfb)
+        view_a, view_b = logical_view(sfa), logical_view(sfb)   # an MNMajor as its logical scales
         ck.ndim(bv, "b[0]", 2, _grid_text(b_n, "N", "K"))
-        ck.ndim(sfb, "b[1]", 2, "scales")
+        ck.ndim(view_b, "b[1]", 2, "scales")
         n = bv.shape[1] if b_n else bv.shape[0]
         if recipe is None:
-            recipe = infer_recipe(n, sfb.shape[::-1] if b_n else sfb.shape)
+            recipe = infer_recipe(n, view_b.shape[::-1] if b_n else view_b.shape)
         recipe = ck.recipe(recipe)
         out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else ck.dtype_name(out_dtype, "out_dtype")
         phys_a, phys_b = _mn_major(storage, recipe)
-        for given, phys, arg in ((given_a, phys_a, "a[1]"), (given_b, phys_b, "b[1]")):
-            ck.that(given is None or phys, arg, "is MN-major (MNMajor), which only fp8_gemm_nt's "
-                    "per-token a and per-channel b scales take")
+        for sf, phys, arg in ((sfa, phys_a, "a[1]"), (sfb, phys_b, "b[1]")):
+            ck.that(not isinstance(sf, MNMajor) or phys, arg, "is MN-major (MNMajor), which only "
+                    "fp8_gemm_nt's per-token a and per-channel b scales take")
         if phys_a or phys_b:   # check what the caller gave, then hand the kernel its layout
-            _fp8_shapes(storage, physical=False)(av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe)
-            sfa = (mn_major_physical(sfa) if given_a is None else given_a) if phys_a else sfa
-            sfb = (mn_major_physical(sfb) if given_b is None else given_b) if phys_b else sfb
+            _fp8_shapes(storage, physical=False)(av, view_a, bv, view_b, c, out_dtype=out_dtype,
+                                                 recipe=recipe)
+            sfa = mn_major_physical(sfa) if phys_a else sfa
+            sfb = mn_major_physical(sfb) if phys_b else sfb
         (d,) = FP8_GEMM[storage](av, sfa, bv, sfb, c, out_dtype=out_dtype, recipe=recipe,
                                  compiled_dims=ck.compiled_dims(compiled_dims))
         return d

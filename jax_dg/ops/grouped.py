@@ -27,7 +27,7 @@ from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, declared, exposes
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.routing import get_mk_alignment_for_contiguous_layout
-from jax_dg.operands.scales import given_mn_major, mn_major_logical, mn_major_physical
+from jax_dg.operands.scales import logical_view, mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -81,10 +81,9 @@ def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
     """a's per-token scales as the op takes them: checked as the caller gave them, then their
     MN-major physical buffer, which DeepGEMM's SM90 kernels read as they are (no allocation,
     no transpose of its own: what makes the call capture-safe)."""
-    sfa, given = given_mn_major(sfa)
-    _m_grouped_operands(ck, a, sfa, b, sfb, fp8=True, masked=masked, physical=False,
+    _m_grouped_operands(ck, a, logical_view(sfa), b, sfb, fp8=True, masked=masked, physical=False,
                         mk_alignment=1 if masked else get_mk_alignment_for_contiguous_layout())
-    return mn_major_physical(sfa) if given is None else given
+    return mn_major_physical(sfa)
 
 
 SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
