@@ -8,6 +8,11 @@
 //   /tmp/topk_shapes          every bench shape, k 512/2048/4096, sorted and not
 //   /tmp/topk_shapes small    a few small cases, each shape once (for the sanitizer)
 //   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER]   one call (for a profiler)
+//
+// With -DTOPK_BASELINE and a previous kernels/topk.cu compiled with its entry points renamed
+// (-DJaxDgTopkRows=BaselineTopkRows -DJaxDgTopkRowsShaped=BaselineTopkRowsShaped
+// -DJaxDgTopkShape=BaselineTopkShape -DJaxDgTopkMaxK=BaselineTopkMaxK), each default shape is
+// also timed on the baseline, interleaved in the same process.
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +30,10 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
                                    int items, int cluster_size, cudaStream_t stream);
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+#ifdef TOPK_BASELINE
+extern "C" int BaselineTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
+                                int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+#endif
 
 #define CHECK(x)                                                                    \
   do {                                                                              \
@@ -110,8 +119,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   struct Case { int rows, cols; };
-  std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}}
-                                  : std::vector<Case>{{2048, 8192}, {4096, 32768}, {64, 65536}, {256, 131072}};
+  std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}, {2, 262144}, {2, 270000}}
+                                  : std::vector<Case>{{2048, 8192}, {4096, 32768}, {64, 65536}, {256, 131072}, {256, 8192}};
   std::vector<int> ks = small ? std::vector<int>{1, 700, 4096} : std::vector<int>{512, 2048, 4096};
   int failures = 0;
   for (const Case& cs : cases) {
@@ -155,17 +164,32 @@ int main(int argc, char** argv) {
             JaxDgTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, 0);
           });
           if (!small) {
-            std::printf("rows %5d cols %6d k %4d %-8s default (%2d x %d): %8.1f us  floor %6.1f  x%.2f\n",
+            std::printf("rows %5d cols %6d k %4d %-8s default (%2d x %d): %8.1f us  floor %6.1f  x%.2f",
                         cs.rows, cs.cols, k, sorted ? "sorted" : "unsorted", d_items, d_cluster, def_us,
                         floor_us, def_us / floor_us);
+#ifdef TOPK_BASELINE
+            CHECK(BaselineTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, 0));
+            CHECK(cudaDeviceSynchronize());
+            std::vector<int> base(got.size());
+            CHECK(cudaMemcpy(base.data(), out, base.size() * 4, cudaMemcpyDeviceToHost));
+            const float base_us = TimeUs(20, [&] {
+              BaselineTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, 0);
+            });
+            std::printf("  baseline %8.1f us (x%.2f)%s", base_us, base_us / def_us,
+                        base == got ? "" : "  MISMATCH vs baseline");
+            if (base != got) ++failures;
+#endif
+            std::printf("\n");
           }
           if (!fits) continue;
-          for (int items : {8, 16, 32}) {
+          for (int items : {8, 16, 32, 64}) {
             for (int cluster : {1, 2, 4, 8}) {
               if (int64_t(items) * cluster * 512 < cs.cols) continue;
               if (cluster > 1 && int64_t(items) * (cluster / 2) * 512 >= cs.cols) continue;   // smallest cluster per items only
               if (items == d_items && cluster == d_cluster) continue;
-              CHECK(JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 0));
+              const int rc = JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 0);
+              if (rc == cudaErrorInvalidValue) continue;   // a shape the kernel is not built for
+              CHECK(rc);
               CHECK(cudaDeviceSynchronize());
               std::vector<int> other(got.size());
               CHECK(cudaMemcpy(other.data(), out, other.size() * 4, cudaMemcpyDeviceToHost));

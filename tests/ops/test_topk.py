@@ -224,11 +224,11 @@ def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1000, 4097, 8191, 12289, 30001, 65536, 140000])
+@pytest.mark.parametrize("n", [1000, 4097, 8191, 12289, 30001, 65536, 140000, 270000])
 def test_gpu_every_kernel_shape_equals_the_cpu_twin(keys, n):
-    """Each of kernels/topk.cu's shapes (8, 16, 32 keys a thread; 1, 2, 4, 8 CTAs a row, the
+    """Each of kernels/topk.cu's shapes (8, 16, 32, 64 keys a thread; 1, 2, 4, 8 CTAs a row, the
     cluster summing histograms and gathering through distributed shared memory), its scalar
-    loads (a row stride that is not a multiple of 4) and the long-row kernel past 131072 keys:
+    loads (a row stride that is not a multiple of 4) and the long-row kernel past 262144 keys:
     tricky values, random ranges, k from 1 to 4096, sorted and not, equal to the CPU twin."""
     from jax_dg.core import native
     assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
