@@ -1,8 +1,11 @@
 """FP8 quantisers (DeepGEMM's formulas, bitwise) and the test metric: the product's one
 implementation, whose formulas jax_dg.operands.paged and jax_dg.operands.indexer use too.
-Where jax_dg's fused cast takes the input (float32 / bfloat16, n % 16 == 0, gran_k 128) the two
-quantisers run it (jax_dg.ops.cast: bitwise these formulas, one kernel, also under jax.vmap);
-otherwise the formulas below run in XLA.
+Where jax_dg's fused cast takes the input (float32 / bfloat16, gran_k 128; columns padded with
+zeros to a multiple of 16 where needed) the two quantisers run it (jax_dg.ops.cast: bitwise these
+formulas, one kernel, also under jax.vmap); otherwise the formulas below run in XLA. On the GPU
+the kernel is bitwise deep_gemm's own quantisers (tests/ops/test_cast.py); XLA's GPU code of
+the formulas was measured 1 FP8 value in 6600 apart from them (tests/operands/test_quant.py,
+float32 [33, 200], before the padding sent that shape to the kernel).
 
 Scale factor sf = max(amax of the block, 1e-4) / 448 (as torch computes it on the GPU: times the
 float reciprocal, jax_dg.numerics); with `use_ue8m0` it is rounded up to a
@@ -37,17 +40,24 @@ def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
 
 def _fused(x, gran_k: int) -> bool:
     """Whether jax_dg's fused cast (jax_dg.ops.cast: one kernel, also under jax.vmap) takes x:
-    float32 or bfloat16 rows of 16-byte multiples, 128-wide blocks. It is bitwise the formulas
-    below; other shapes and dtypes run those in XLA."""
-    return gran_k == 128 and x.dtype in (jnp.float32, jnp.bfloat16) and x.shape[1] % 16 == 0
+    float32 or bfloat16, 128-wide blocks. It is bitwise the formulas below; other dtypes and
+    block widths run those in XLA."""
+    return gran_k == 128 and x.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def _padded(x):
+    """x with zero columns up to a multiple of 16 (the kernel's 16-byte rows): a block's amax
+    and so its scale are unchanged, and the values of the padding are sliced off."""
+    n = x.shape[1]
+    return x if n % 16 == 0 else jnp.pad(x, ((0, 0), (0, align(n, 16) - n)))
 
 
 def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
     """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
     use_ue8m0, gran_k = _check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k)
     if _fused(x, gran_k):
-        q, sf = cast_tokens(x, use_ue8m0=use_ue8m0)[0]
-        return q, sf.logical()
+        q, sf = cast_tokens(_padded(x), use_ue8m0=use_ue8m0)[0]
+        return q[:, :x.shape[1]], sf.logical()
     return _per_token(x, use_ue8m0, gran_k)
 
 
@@ -55,7 +65,8 @@ def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 1
     """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
     use_ue8m0, gran_k = _check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k)
     if _fused(x, gran_k):
-        return cast_blocks(x, use_ue8m0=use_ue8m0)[0]
+        q, sf = cast_blocks(_padded(x), use_ue8m0=use_ue8m0)[0]
+        return q[:, :x.shape[1]], sf
     return _per_block(x, use_ue8m0, gran_k)
 
 
