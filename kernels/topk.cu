@@ -22,8 +22,8 @@
 // The cluster size is a template parameter (no cluster code in single-CTA rows), and the first
 // pass counts every key without a branch (a non-candidate's key 0 falls in bin 0, which no
 // candidate reaches). Measured on the H200 against the previous version of this kernel
-// (benchmarks/topk_shapes.cu, same process): 1.1-1.4x faster at up to 65536 keys, 2.5x at
-// [256, 131072] (64 keys a thread in clusters of 4 in place of 32 in clusters of 8).
+// (benchmarks/topk_shapes.cu, same process): 1.1-1.4x faster at up to 32768 keys; past that
+// 64 keys a thread halve the CTAs a row needs: 2.6x at [64, 65536], 2.5x at [256, 131072].
 //
 // Candidates of row r: columns c with lo[r] <= c < hi[r] (all when lo/hi are null), c < cols,
 // and logits > -inf (NaN is not a candidate). Slots past the number of candidates get -1.
@@ -412,11 +412,12 @@ extern "C" int JaxDgTopkMaxK() { return kMaxK; }
 // The kernel's shape for rows of `cols` keys: keys per thread and CTAs per row (a cluster).
 // Measured on the H200 (benchmarks/topk_shapes.cu): a cluster costs more than it parallelises
 // (at [4096, 32768], 32 keys a thread in clusters of 2 took 952 us, 16 in clusters of 4 1610
-// and 8 in clusters of 8 6635), so rows take 32 keys a thread (64 past 65536 keys) before they
-// take more CTAs; up to 8192 keys, 16 a thread (2 CTAs an SM) beat 32 (1) by 2.3x. Returns 0
-// when a row is too long for a cluster (the long-row kernel takes it).
+// and 8 in clusters of 8 6635), so rows take more keys a thread before they take more CTAs: up
+// to 8192 keys, 16 a thread (2 CTAs an SM) beat 32 (1) by 2.5x; past 32768, 64 a thread
+// (at [64, 65536] k 2048: 64 x 2 CTAs 20 us, 32 x 4 52 us; at [256, 131072]: 64 x 4 232 us,
+// 32 x 8 545 us). Returns 0 when a row is too long for a cluster (the long-row kernel takes it).
 extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
-  *items = cols <= 4096 ? 8 : cols <= 8192 ? 16 : cols <= 65536 ? 32 : 64;
+  *items = cols <= 4096 ? 8 : cols <= 8192 ? 16 : cols <= 32768 ? 32 : 64;
   for (int c = 1; c <= kMaxCluster; c *= 2) {
     if (static_cast<int64_t>(c) * kThreads * *items >= cols) {
       *cluster_size = c;
