@@ -7,6 +7,7 @@ Steps (µs, one jit per jax contender):
   torch gemms     the three DeepGEMM calls from torch alone, operands quantised beforehand
   torch full      the same with deep_gemm's torch quantisers in the step
   jax_dg          jax.vjp of jax_dg.fp8_linear (three fused casts, three FP8 GEMMs)
+  jax_dg f32 w    the same with float32 master weights (dw stays float32: no convert)
   xla bf16        jax.vjp of x @ w.T in bfloat16
 The grouped layer (MoE experts, masked): the bare grouped GEMMs from torch (masked forward and
 dgrad, k-grouped wgrad) against jax.vjp of jax_dg.fp8_grouped_linear and XLA's bf16 einsum.
@@ -88,13 +89,16 @@ def linear_steps(n: int, k: int) -> dict:
         return (y, *vjp(dy))
     f, g = jax.jit(fp8_step), jax.jit(bf16_step)
     tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
+    w32 = w.astype(jnp.float32)
     runs = {"torch_gemms": (torch_step(tx, tw, tdy, False), timing.torch_sync),
             "torch_full": (torch_step(tx, tw, tdy, True), timing.torch_sync),
             "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
+            "jax_dg_f32w": (lambda: f(x, w32, dy), timing.jax_sync),
             "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}
     t = timing.compare(runs, N_CALLS)
     return {"shape": f"M{M} N{n} K{k}", **{f"{name}_us": v for name, v in t.items()}, **where_it_goes(runs),
             "torch_gemms/jax_dg": t["torch_gemms"] / t["jax_dg"],
+            "torch_gemms/jax_dg_f32w": t["torch_gemms"] / t["jax_dg_f32w"],
             "torch_full/jax_dg": t["torch_full"] / t["jax_dg"], "xla_bf16/jax_dg": t["xla_bf16"] / t["jax_dg"]}
 
 
@@ -138,13 +142,16 @@ def grouped_steps(groups: int, mmax: int, n: int, k: int) -> dict:
         deep_gemm.m_grouped_fp8_gemm_nt_masked(a_d, b_d, dx, tm, expected)
         deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a_w, b_w, dw, ks, ks_t, c=dw)
     f, g = jax.jit(fp8_step), jax.jit(bf16_step)
+    w32 = w.astype(jnp.float32)
     runs = {"torch_gemms": (torch_gemms, timing.torch_sync),
             "jax_dg": (lambda: f(x, w, dy), timing.jax_sync),
+            "jax_dg_f32w": (lambda: f(x, w32, dy), timing.jax_sync),
             "xla_bf16": (lambda: g(x, w, dy), timing.jax_sync)}
     t = timing.compare(runs, N_CALLS)
     return {"shape": f"G{groups} Mmax{mmax} N{n} K{k}", **{f"{name}_us": v for name, v in t.items()},
             **where_it_goes(runs),
-            "torch_gemms/jax_dg": t["torch_gemms"] / t["jax_dg"], "xla_bf16/jax_dg": t["xla_bf16"] / t["jax_dg"]}
+            "torch_gemms/jax_dg": t["torch_gemms"] / t["jax_dg"],
+            "torch_gemms/jax_dg_f32w": t["torch_gemms"] / t["jax_dg_f32w"], "xla_bf16/jax_dg": t["xla_bf16"] / t["jax_dg"]}
 
 
 def main():
@@ -153,11 +160,14 @@ def main():
     rows = [linear_steps(n, k) for n, k in SHAPES] + [grouped_steps(*s) for s in GROUPED]
     plot.write("bench_train", "FP8 training step, forward + backward (fp8_linear; fp8_grouped_linear)", rows, [
         ("shape", "shape"), ("torch_gemms_us", "torch gemms"), ("torch_full_us", "torch full"),
-        ("jax_dg_us", "jax_dg"), ("xla_bf16_us", "xla bf16"), ("torch_gemms_busy_us", "gemms gpu busy"),
+        ("jax_dg_us", "jax_dg"), ("jax_dg_f32w_us", "jax_dg f32 w"), ("xla_bf16_us", "xla bf16"),
+        ("torch_gemms_busy_us", "gemms gpu busy"),
         ("jax_dg_busy_us", "jax_dg gpu busy"), ("jax_dg_idle_us", "jax_dg gpu idle"),
         ("jax_dg_kernels", "jax_dg kernels"), ("torch_gemms/jax_dg", "gemms/jax_dg"),
+        ("torch_gemms/jax_dg_f32w", "gemms/f32 w"),
         ("torch_full/jax_dg", "tfull/jax_dg"), ("xla_bf16/jax_dg", "bf16/jax_dg")],
-        label="shape", ratios=["torch_gemms/jax_dg", "torch_full/jax_dg", "xla_bf16/jax_dg"],
+        label="shape", ratios=["torch_gemms/jax_dg", "torch_gemms/jax_dg_f32w", "torch_full/jax_dg",
+                                "xla_bf16/jax_dg"],
         ylabel="speed ratio (> 1: jax_dg faster; gemms/jax_dg: target >= 0.9)")
 
 
