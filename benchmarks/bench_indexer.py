@@ -12,6 +12,9 @@ DeepSeek V3.2's lightning indexer, H64, D128, k 2048, one run, contenders interl
   decode   paged, next_n 1, block 64, B64/B256 at ctx 8192 and 32768; schedule metadata
            computed inside every contender (as a decode step does once per step)
   top-k alone, on the same logits: torch.topk vs jax_dg.topk_indices vs lax.top_k.
+"jax_dg graph": the fused step jitted with compiler_options={"xla_gpu_graph_min_graph_size": 1},
+so that XLA captures it as a command buffer even where the program has fewer than the 5 commands
+XLA's default asks for (a lone decode op has 4: docs/runtime.md).
 Ratios: torch time / jax_dg time (> 1: jax_dg is faster). "unsorted": both routes asked for
 the set only (torch.topk(sorted=False); jax_dg sorted=False: ascending key order, no sort).
 """
@@ -105,16 +108,20 @@ def time_step(step, shape, torch_route, jax_dg_step, composed, plain, args, n):
     """One row: torch's route (sorted and not), jax_dg's fused step (sorted and not), the
     composed jax_dg ops and plain jnp, interleaved; returns it and the sorted fused step."""
     fused = jax.jit(lambda *a: jax_dg_step(*a, sorted=True))
+    graph = jax.jit(lambda *a: jax_dg_step(*a, sorted=True),
+                    compiler_options={"xla_gpu_graph_min_graph_size": 1})
     unsorted = jax.jit(lambda *a: jax_dg_step(*a, sorted=False))
     composed, plain = jax.jit(composed), jax.jit(plain)
     t = timing.compare({"torch": (lambda: torch_route(True), timing.torch_sync),
                         "fused": (lambda: fused(*args), timing.jax_sync),
+                        "graph": (lambda: graph(*args), timing.jax_sync),
                         "composed": (lambda: composed(*args), timing.jax_sync),
                         "torch_unsorted": (lambda: torch_route(False), timing.torch_sync),
                         "unsorted": (lambda: unsorted(*args), timing.jax_sync)}, n)
     t["jnp"] = timing.per_call_us(lambda: plain(*args), timing.jax_sync, 2, repeats=3, warmup=1)
     return {"step": step, "shape": shape, "torch_us": t["torch"], "jax_dg_us": t["fused"],
-            "composed_us": t["composed"], "jnp_us": t["jnp"], "torch/jax_dg": t["torch"] / t["fused"],
+            "composed_us": t["composed"], "graph_us": t["graph"], "jnp_us": t["jnp"],
+            "torch/jax_dg": t["torch"] / t["fused"], "torch/graph": t["torch"] / t["graph"],
             "torch/composed": t["torch"] / t["composed"], "jnp/jax_dg": t["jnp"] / t["fused"],
             "torch_unsorted_us": t["torch_unsorted"], "unsorted_us": t["unsorted"],
             "unsorted/unsorted": t["torch_unsorted"] / t["unsorted"]}, fused
@@ -127,7 +134,8 @@ def main():
     rows += [r for b, ctx in DECODE for r in decode(b, ctx)]
     plot.write("bench_indexer", "indexer step (logits + top-k)", rows, [
         ("step", "step"), ("shape", "shape"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
-        ("composed_us", "composed us"), ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"),
+        ("composed_us", "composed us"), ("graph_us", "jax_dg graph us"), ("jnp_us", "jnp us"),
+        ("torch/jax_dg", "torch/jax_dg"), ("torch/graph", "torch/jax_dg graph"),
         ("torch/composed", "torch/composed"), ("jnp/jax_dg", "jnp/jax_dg"),
         ("torch_unsorted_us", "torch unsorted us"), ("unsorted_us", "unsorted us"),
         ("unsorted/unsorted", "unsorted ratio")],
