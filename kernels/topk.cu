@@ -185,7 +185,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
   if constexpr (kCluster > 1) rank = static_cast<int>(cg::this_cluster().block_rank());
   const int row = blockIdx.x / kCluster;
   const float* x = logits + static_cast<int64_t>(row) * stride;
-  const int begin = lo ? max(lo[row], 0) : 0;
+  const int begin = lo ? min(max(lo[row], 0), cols) : 0;   // <= cols: no load past the row
   const int end = max(hi ? min(hi[row], cols) : cols, begin);
 
   // --- this thread's keys (0: not a candidate): columns first .. first + kItems - 1. A warp
@@ -434,8 +434,9 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
                                    int items, int cluster_size, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return 0;
-  if (k > kMaxK || static_cast<int64_t>(items) * cluster_size * kThreads < cols) {
-    return static_cast<int>(cudaErrorInvalidValue);
+  if (k > kMaxK || cluster_size < 1 || cluster_size > kMaxCluster ||
+      static_cast<int64_t>(items) * cluster_size * kThreads < cols) {
+    return static_cast<int>(cudaErrorInvalidValue);   // (and the switch below: built shapes only)
   }
   int s = 0;   // the sort's items per thread (0: unsorted)
   if (sorted) {

@@ -1,4 +1,4 @@
-// jax_dg's top-k for rows longer than kernels/topk.cu's clusters hold (> 131072 keys): the
+// jax_dg's top-k for rows longer than kernels/topk.cu's clusters hold (> 262144 keys): the
 // same contract, slower (one CTA per row, each radix pass re-reads the row from L2).
 //
 // One CTA per row. A radix select over the order-preserving uint32 key of each float finds

@@ -172,6 +172,19 @@ def gpu_logits(key, m, n, ties):
     return jnp.round(x * 8) / 8 if ties else x
 
 
+@pytest.mark.parametrize("n", [1000, 8192, 65536])
+def test_rows_starting_past_their_end_select_nothing(keys, n):
+    """ks past the row (by a little, by a lot, or beyond ke) leaves no candidate: every slot -1,
+    and nothing read past the row (the GPU kernel clamps its first column to the row's length;
+    on the GPU this runs the kernel, under memcheck with scripts/sanitize.sh)."""
+    x = jax.random.normal(keys(), (4, n), jnp.float32)
+    ks = jnp.array([n, n + 3, 2 ** 30, 7], I32)
+    ke = jnp.array([n + 100, 2 ** 31 - 1, 2 ** 30 + 5, 5], I32)
+    for srt in (True, False):
+        got = jax.jit(lambda x, ks, ke: jax_dg.topk_indices(x, 64, ks=ks, ke=ke, sorted=srt))(x, ks, ke)
+        np.testing.assert_array_equal(np.asarray(got), -1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 33, 64, 3000, 4096])
 def test_gpu_kernel_at_other_k(keys, k):
