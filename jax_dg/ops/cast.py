@@ -25,7 +25,7 @@ from jax_dg.core import native
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
-from jax_dg.operands.scales import MNMajor
+from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.reference import quant as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -56,22 +56,17 @@ def _native(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
     return native.cast_fp8(x, valid_rows, _shapes(x, valid_rows, **static), **static)
 
 
-def _physical(sf):
-    """Logical scales [MN, K'] as their MN-major TMA-aligned buffer [K', align(MN, 4)]."""
-    return jnp.pad(sf.T, ((0, 0), (0, align(sf.shape[0], 4) - sf.shape[0])))
-
-
 def _reference_one(x, valid, *, per_block, ue8m0, rows_out, cols_out):
     r = x.shape[0]
     x = jnp.where(jnp.arange(r)[:, None] < valid, x, 0).astype(x.dtype)
-    xt = jnp.pad(x, ((0, align(r, 16) - r), (0, 0))).T       # zero rows: amax unchanged
     if per_block:
         q, sq = ref.per_block_cast_to_fp8(x, ue8m0)
         qt = jnp.pad(q, ((0, align(r, 16) - r), (0, 0))).T
         return q, sq, qt, sq.T
+    xt = jnp.pad(x, ((0, align(r, 16) - r), (0, 0))).T       # zero rows: amax unchanged
     q, sq = ref.per_token_cast_to_fp8(x, ue8m0)
     qt, sqt = ref.per_token_cast_to_fp8(xt, ue8m0)
-    return q, _physical(sq), qt, _physical(sqt)
+    return q, mn_major_physical(sq), qt, mn_major_physical(sqt)
 
 
 def _reference(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
