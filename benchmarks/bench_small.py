@@ -8,6 +8,9 @@ the time is per GEMM, best of repeats after warm-up. "graphs off" runs in a chil
 XLA_FLAGS=--xla_gpu_enable_command_buffer= (XLA reads its flags once per process).
 Also a decode-style loop: lax.fori_loop of 32 steps, each quantising the activations and running
 two FP8 GEMMs (up 7168 -> 4096, down 4096 -> 7168), against the same loop in torch.
+"jax_dg mn scales": the same jit with the activations' scales already MN-major (MNMajor, laid
+out once outside the timed calls as torch's side does; in the decode loop jax_dg.cast_tokens
+makes them so): no scale-layout node per GEMM (issue 24, deliverable 4).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import deep_gemm
 import jax_dg
 from jax_dg.core.op import Op
+from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.reference.gemm import dequant
 
 # A graph-safe op that does nothing: the fixed cost of one jax_dg call (XLA's custom-call thunk
@@ -89,6 +93,9 @@ def jax_rows(graphs: bool) -> dict:
         a, b = fp8_inputs(m, n, k, m + n + k)
         f = jax.jit(lambda a, b: [jax_dg.fp8_gemm_nt(x, b) for x in a])
         out[f"fp8 M{m} N{n} K{k}"] = {"jax_dg": timing.per_call_us(lambda: f(a, b), timing.jax_sync, 10) / R}
+        # the scales laid out once, as torch's caller (and vLLM) hand them: no layout node per GEMM
+        a_mn = [(x, MNMajor(jax.jit(mn_major_physical)(s), m)) for x, s in a]
+        out[f"fp8 M{m} N{n} K{k}"]["jax_dg_mn"] = timing.per_call_us(lambda: f(a_mn, b), timing.jax_sync, 10) / R
         if graphs:
             g = jax.jit(lambda a, b: [plain_jnp_fp8(x, b) for x in a])
             out[f"fp8 M{m} N{n} K{k}"]["jnp"] = timing.per_call_us(lambda: g(a, b), timing.jax_sync, 5) / R
@@ -105,6 +112,8 @@ def jax_rows(graphs: bool) -> dict:
         x, w_up, w_down = decode_inputs(m)
         f = jax.jit(decode_loop)
         out[f"decode M{m}"] = {"jax_dg": timing.per_call_us(lambda: f(x, w_up, w_down), timing.jax_sync, 5) / STEPS}
+        f = jax.jit(decode_loop_mn)
+        out[f"decode M{m}"]["jax_dg_mn"] = timing.per_call_us(lambda: f(x, w_up, w_down), timing.jax_sync, 5) / STEPS
     xs = [jnp.full((1,), i, jnp.float32) for i in range(R)]
     f = jax.jit(lambda xs: [NOOP(x)[0] for x in xs])
     out["noop"] = {"jax_dg": timing.per_call_us(lambda: f(xs), timing.jax_sync, 20) / R}
@@ -144,6 +153,14 @@ def decode_loop(x, w_up, w_down):
     def step(_, h):
         u = jax_dg.fp8_gemm_nt(jax_dg.per_token_cast_to_fp8(h), w_up)
         return jax_dg.fp8_gemm_nt(jax_dg.per_token_cast_to_fp8(u), w_down)
+    return jax.lax.fori_loop(0, STEPS, step, x)
+
+
+def decode_loop_mn(x, w_up, w_down):
+    """decode_loop with jax_dg.cast_tokens, whose scales are already MN-major (MNMajor)."""
+    def step(_, h):
+        u = jax_dg.fp8_gemm_nt(jax_dg.cast_tokens(h)[0], w_up)
+        return jax_dg.fp8_gemm_nt(jax_dg.cast_tokens(u)[0], w_down)
     return jax.lax.fori_loop(0, STEPS, step, x)
 
 
@@ -205,16 +222,21 @@ def main():
              "jax_dg_graphs_us": on[name]["jax_dg"], "jax_dg_no_graphs_us": off.get(name, {}).get("jax_dg", float("nan"))}
         if "jnp" in on[name]:
             r["jnp_us"] = on[name]["jnp"]
+        if "jax_dg_mn" in on[name]:
+            r["jax_dg_mn_us"] = on[name]["jax_dg_mn"]
+            r["mn/torch_graph"] = r["jax_dg_mn_us"] / graph
         r["graphs/torch_graph"] = r["jax_dg_graphs_us"] / graph
         r["torch_eager/graphs"] = eager / r["jax_dg_graphs_us"]
         r["no_graphs-eager_us"] = r["jax_dg_no_graphs_us"] - eager
         table.append(r)
     plot.write("bench_small", "small GEMMs, per call (decode: per step of 2 GEMMs + 2 quantisations)", table, [
         ("shape", "shape"), ("torch_eager_us", "torch eager"), ("torch_graph_us", "torch graph"),
-        ("jax_dg_graphs_us", "jax_dg graphs"), ("jax_dg_no_graphs_us", "jax_dg no graphs"),
-        ("jnp_us", "jnp"), ("graphs/torch_graph", "graphs/tgraph"), ("torch_eager/graphs", "eager/graphs"),
+        ("jax_dg_graphs_us", "jax_dg graphs"), ("jax_dg_mn_us", "jax_dg mn scales"),
+        ("jax_dg_no_graphs_us", "jax_dg no graphs"),
+        ("jnp_us", "jnp"), ("graphs/torch_graph", "graphs/tgraph"), ("mn/torch_graph", "mn/tgraph"),
+        ("torch_eager/graphs", "eager/graphs"),
         ("no_graphs-eager_us", "nographs-eager")],
-        label="shape", ratios=["graphs/torch_graph", "torch_eager/graphs"],
+        label="shape", ratios=["graphs/torch_graph", "mn/torch_graph", "torch_eager/graphs"],
         ylabel="ratio (targets: graphs/tgraph <= 1.25, eager/graphs >= 1.5)")
 
 
