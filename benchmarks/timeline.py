@@ -224,13 +224,17 @@ def stats(events: list[Event], n: int) -> dict:
     busy = busy_us(events)
     span = (max(e for _, _, e in events) - min(s for _, s, _ in events)) if events else 0.0
     per: dict[str, list] = {}
+    full: dict[str, float] = {}
     for name, s, e in events:
         c = per.setdefault(short(name), [0, 0.0])
         c[0] += 1
         c[1] += e - s
+        full[name] = full.get(name, 0.0) + e - s
     return {"kernels": len(events) / n, "busy_us": busy / n, "span_us": span / n,
             "idle_us": (span - busy) / n,
-            "per_kernel": {k: (c / n, t / n) for k, (c, t) in sorted(per.items(), key=lambda x: -x[1][1])}}
+            "per_kernel": {k: (c / n, t / n) for k, (c, t) in sorted(per.items(), key=lambda x: -x[1][1])},
+            # the longest kernel's whole name: do both sides run the same template instance?
+            "top_kernel": max(full, key=full.get)[:400] if full else ""}
 
 
 def extra_kernels(mine: dict, theirs: dict) -> dict:
@@ -470,6 +474,7 @@ def print_kernels(case: Case, prof: dict, top: int = 12) -> None:
               f"idle {st['idle_us']:.1f} us per call")
         for k, (c, t) in list(st["per_kernel"].items())[:top]:
             print(f"       {c:5.2f} x {t:9.2f} us  {k}")
+        print(f"       longest: {st['top_kernel']}")
 
 
 def main(argv=None):
