@@ -7,7 +7,9 @@
 //        kernels/topk_long.cu -o /tmp/topk_shapes
 //   /tmp/topk_shapes          every bench shape, k 512/2048/4096, sorted and not
 //   /tmp/topk_shapes small    a few small cases, each shape once (for the sanitizer)
-//   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER]   one call (for a profiler)
+//   /tmp/topk_shapes tiny     the same with fewer rows (for racecheck, which is slow)
+//   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER [PERSISTENT]]   one call (for a profiler)
+//   /tmp/topk_shapes time ROWS COLS K SORTED [TIES]   one shape timed (and then the baseline)
 //
 // With -DTOPK_BASELINE and a previous kernels/topk.cu compiled with its entry points renamed
 // (-DJaxDgTopkRows=BaselineTopkRows -DJaxDgTopkRowsShaped=BaselineTopkRowsShaped
@@ -27,7 +29,7 @@
 extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size);
 extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
-                                   int items, int cluster_size, cudaStream_t stream);
+                                   int items, int cluster_size, int persistent, cudaStream_t stream);
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
 #ifdef TOPK_BASELINE
@@ -98,7 +100,8 @@ float TimeUs(int reps, const std::function<void()>& f) {
 }
 
 int main(int argc, char** argv) {
-  const bool small = argc > 1 && std::strcmp(argv[1], "small") == 0;
+  const bool tiny = argc > 1 && std::strcmp(argv[1], "tiny") == 0;   // small, fewer rows: racecheck
+  const bool small = tiny || (argc > 1 && std::strcmp(argv[1], "small") == 0);
   if (argc > 5 && std::strcmp(argv[1], "one") == 0) {
     const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
     const int sorted = std::atoi(argv[5]);
@@ -110,7 +113,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 2; ++i) {   // the second call is the one to profile (nothing to set up)
       if (argc > 7) {
         CHECK(JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, std::atoi(argv[6]),
-                                  std::atoi(argv[7]), 0));
+                                  std::atoi(argv[7]), argc > 8 ? std::atoi(argv[8]) : 1, 0));
       } else {
         CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
       }
@@ -118,9 +121,34 @@ int main(int argc, char** argv) {
     CHECK(cudaDeviceSynchronize());
     return 0;
   }
+  if (argc > 5 && std::strcmp(argv[1], "time") == 0) {   // one shape: default (and baseline) us
+    const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
+    const int sorted = std::atoi(argv[5]);
+    float* x;
+    int *out, *out2;
+    CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
+    CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
+    CHECK(cudaMalloc(&out2, int64_t(rows) * k * 4));
+    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, argc > 6 ? std::atoi(argv[6]) : 0);
+    CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+    const float us = TimeUs(20, [&] { JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0); });
+    std::printf("time rows %d cols %d k %d sorted %d: %.1f us", rows, cols, k, sorted, us);
+#ifdef TOPK_BASELINE
+    CHECK(BaselineTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out2, 0));
+    const float base = TimeUs(20, [&] { BaselineTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out2, 0); });
+    std::vector<int> a(int64_t(rows) * k), b(a.size());
+    CHECK(cudaMemcpy(a.data(), out, a.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(b.data(), out2, b.size() * 4, cudaMemcpyDeviceToHost));
+    std::printf("  baseline %.1f us (x%.2f)%s", base, base / us, a == b ? "" : "  MISMATCH vs baseline");
+#endif
+    std::printf("\n");
+    return 0;
+  }
   struct Case { int rows, cols; };
-  std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}, {2, 262144}, {2, 270000}}
+  std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}, {2, 262144}, {2, 270000},
+                                                      {140, 30001}}   // rows past one persistent grid
                                   : std::vector<Case>{{2048, 8192}, {4096, 32768}, {64, 65536}, {256, 131072}, {256, 8192}};
+  if (small && !tiny) cases.insert(cases.end(), {{300, 1000}, {300, 8191}});
   std::vector<int> ks = small ? std::vector<int>{1, 700, 4096} : std::vector<int>{512, 2048, 4096};
   int failures = 0;
   for (const Case& cs : cases) {
@@ -182,12 +210,29 @@ int main(int argc, char** argv) {
             std::printf("\n");
           }
           if (!fits) continue;
+          for (int persistent : {0, 1}) {   // the default shape on either grid
+            CHECK(JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, d_items, d_cluster, persistent, 0));
+            CHECK(cudaDeviceSynchronize());
+            std::vector<int> other(got.size());
+            CHECK(cudaMemcpy(other.data(), out, other.size() * 4, cudaMemcpyDeviceToHost));
+            if (other != got) {
+              std::printf("MISMATCH %s grid: cols %d k %d sorted %d ties %d\n", persistent ? "persistent" : "a cluster a row",
+                          cs.cols, k, sorted, ties);
+              ++failures;
+            }
+            if (!small) {
+              const float us = TimeUs(20, [&] {
+                JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, d_items, d_cluster, persistent, 0);
+              });
+              std::printf("%58s (%2d x %d, %s): %8.1f us\n", "", d_items, d_cluster, persistent ? "persistent" : "a cluster a row", us);
+            }
+          }
           for (int items : {8, 16, 32, 64}) {
             for (int cluster : {1, 2, 4, 8}) {
               if (int64_t(items) * cluster * 512 < cs.cols) continue;
               if (cluster > 1 && int64_t(items) * (cluster / 2) * 512 >= cs.cols) continue;   // smallest cluster per items only
               if (items == d_items && cluster == d_cluster) continue;
-              const int rc = JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 0);
+              const int rc = JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 1, 0);
               if (rc == cudaErrorInvalidValue) continue;   // a shape the kernel is not built for
               CHECK(rc);
               CHECK(cudaDeviceSynchronize());
@@ -200,7 +245,7 @@ int main(int argc, char** argv) {
               }
               if (small) continue;
               const float us = TimeUs(20, [&] {
-                JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 0);
+                JaxDgTopkRowsShaped(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, items, cluster, 1, 0);
               });
               std::printf("%58s (%2d x %d): %8.1f us\n", "", items, cluster, us);
             }

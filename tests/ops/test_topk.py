@@ -257,6 +257,23 @@ def test_gpu_every_kernel_shape_equals_the_cpu_twin(keys, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 8191, 30001])
+def test_gpu_rows_past_one_persistent_grid_equal_the_cpu_twin(keys, n):
+    """More rows than the device holds CTAs (clusters) at once: each persistent CTA selects
+    several rows, loading the next one while it selects the current one (and, for k 4096 sorted
+    at 16 keys a thread, after its sort: the stage shares the sort's memory there)."""
+    m = 700
+    x = tricky_logits(keys, m, n, levels=3)
+    x = x.at[m // 2:].set(jax.random.normal(keys(), (m - m // 2, n)))   # rows without ties too
+    ks = jax.random.randint(keys(), (m,), -5, n // 2).astype(I32)
+    ke = jnp.minimum(ks + jax.random.randint(keys(), (m,), 0, n + 10), n + 7).astype(I32)
+    for k, srt in itertools.product((777, 4096), (True, False)):
+        call = lambda x, lo, hi: jax_dg.topk_indices(x, k, ks=lo, ke=hi, sorted=srt)   # noqa: E731
+        got = np.asarray(jax.jit(call)(x, ks, ke))
+        np.testing.assert_array_equal(got, on_cpu(call, x, ks, ke), err_msg=f"k {k} sorted {srt}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("s,sk", [(2048, 8192), (1024, 32768)])
 def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
     import deep_gemm
