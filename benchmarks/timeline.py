@@ -19,7 +19,10 @@ of the process, XLA's included, so both sides are seen the same way. Per call:
              per call in that kernel)"
 For fp8_gemm_nt 4096x24576x1536 and mqa_logits a "chain20" row: the same n calls unrolled in
 ONE jitted function (inputs through lax.optimization_barrier so none is merged), per call:
-what one execution costs spread over its calls vs one execution per call.
+what one execution costs spread over its calls vs one execution per call. A "calls, graph" row
+(GPU only): the one-op function jitted with compiler_options {"xla_gpu_graph_min_graph_size": 1},
+so that XLA replays it as a command buffer (its default asks for 5 commands, more than a one-op
+program has): what the per-execution host path costs.
 The kernels of each side are printed per case above the table (and, where $OUT is set,
 written to $OUT/timeline_kernels.json).
 
@@ -60,6 +63,7 @@ import jax_dg
 N_CALLS = 20
 TOPK = 2048
 CHAIN_KEYS = ("gemm", "mqa")
+GRAPH_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
 
 # One representative shape per op (the --ops names); --cpu-smoke: tiny ones.
 SHAPES = {
@@ -432,6 +436,11 @@ def contenders(env: Env, case: Case, n: int) -> dict:
     if case.key in CHAIN_KEYS and case.fn is not None:
         chained = chain_jit(case.fn, n)
         runs["chain"] = (lambda: chained(*case.args), timing.jax_sync)
+    if case.fn is not None and not env.smoke:
+        # the same one-op program captured as a command buffer: XLA's default asks for >= 5
+        # commands, which a one-op program lacks (docs/runtime.md)
+        graphed = jax.jit(case.fn, compiler_options=GRAPH_OPTIONS)
+        runs["graph"] = (batch(lambda: graphed(*case.args), n), timing.jax_sync)
     return runs
 
 
@@ -450,7 +459,7 @@ def profile_case(env: Env, runs: dict, n: int) -> dict:
 def rows_of(case: Case, walls: dict, prof: dict, n: int) -> list[dict]:
     tt = prof["torch"]
     rows = []
-    for side, mode in (("jax_dg", "calls"), ("chain", f"chain{n}")):
+    for side, mode in (("jax_dg", "calls"), ("chain", f"chain{n}"), ("graph", "calls, graph")):
         if side not in prof:
             continue
         tj = prof[side]
