@@ -35,7 +35,6 @@
 #include <cub/block/block_radix_rank.cuh>
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -186,11 +185,11 @@ __device__ __forceinline__ uint32_t CandidateKey(float v) {
 // Asynchronous copies global -> shared (sm80+): the next row loads while this one is selected.
 __device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src));
+               "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsync4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src));
+               "l"(src) : "memory");
 }
 __device__ __forceinline__ void CopyAsyncWait() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
@@ -231,8 +230,8 @@ __device__ __forceinline__ void StartLoad(float4* stage, const float* x, Range r
 
 // kItems keys per thread (a multiple of 4); kSortItems: 0 unsorted, else the sort's items per
 // thread (kThreads * kSortItems >= k); kCluster CTAs per row. vec: logits and stride allow
-// 16-byte loads. The grid is persistent: cluster c takes rows c, c + clusters, ..., loading the
-// next one while it selects the current one.
+// 16-byte loads. Cluster c takes rows c, c + clusters, ... (one row where the grid has a cluster a
+// row), loading the next one while it selects the current one.
 template <int kItems, int kSortItems, int kCluster>
 __global__ void __launch_bounds__(kThreads, kItems <= 16 ? 2 : 1)
 TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restrict__ lo,
@@ -446,35 +445,15 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
   }  // rows
 }
 
-// How many clusters of this kernel the current device holds at once (the persistent grid),
-// found once per device and instantiation; 0 where the query fails.
-template <typename Kernel>
-int ResidentClusters(Kernel kernel, const cudaLaunchConfig_t& config, int cluster_size) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> found[kDevices];   // 0: not asked yet; else count + 1
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device < kDevices) {
-    const int known = found[device].load(std::memory_order_relaxed);
-    if (known > 0) return known - 1;
-  }
-  int n = 0;
-  if (cluster_size > 1) {
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) n = 0;
-  } else {
-    int sms = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, config.dynamicSmemBytes) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      n = 0;
-    }
-    n *= sms;
-  }
-  if (device < kDevices) found[device].store(n + 1, std::memory_order_relaxed);
-  return n;
-}
+// The persistent grid: 2 clusters an SM (for single-CTA rows of 16 keys a thread, as many CTAs as
+// the SMs hold; larger clusters are cycled through the SMs by the hardware), each
+// taking every so many rows. This is the grid every persistent measurement ran: an occupancy
+// cache meant to size it per kernel shared one entry across them (a review found it) and held
+// the first query's 2 CTAs an SM for all.
+constexpr int kPersistentClustersPerSm = 2;
 
-// persistent: as many clusters as the device holds at once, each taking every so many rows
-// (else one cluster a row).
+// persistent: kPersistentClustersPerSm clusters an SM, each taking every so many rows (else one
+// cluster a row).
 template <int kItems, int kSortItems, int kCluster>
 int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, int rows, int cols,
            int k, bool vec, int* out, bool persistent, cudaStream_t stream) {
@@ -497,11 +476,13 @@ int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, in
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = kCluster > 1 ? 1 : 0;
-  config.gridDim = dim3(kCluster);   // for the occupancy query
   int clusters = rows;
   if (persistent) {
-    const int resident = ResidentClusters(kernel, config, kCluster);
-    if (resident > 0) clusters = std::min(rows, resident);
+    int device = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    clusters = std::min(rows, kPersistentClustersPerSm * sms);
   }
   config.gridDim = dim3(static_cast<unsigned>(clusters) * kCluster);
   return static_cast<int>(cudaLaunchKernelEx(&config, kernel, logits, stride, lo, hi, rows, cols, k, vec, out));
@@ -579,11 +560,13 @@ extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo,
   if (!JaxDgTopkShape(cols, &items, &cluster_size)) {
     return JaxDgTopkLongRows(logits, stride, lo, hi, rows, cols, k, sorted, out, stream);
   }
-  // Persistent clusters (loading the next row during this one) only where that measured faster:
-  // unsorted rows of a cluster (at [4096, 32768] 32 x 2: 651 us against 679 a cluster a row).
+  // The persistent grid (loading the next row during this one) only where that measured faster:
+  // unsorted rows of a cluster (at [4096, 32768] 32 x 2, k 2048: 640 us against 667 a cluster a
+  // row).
   // Single-CTA rows and sorted ones are faster a CTA (cluster) a row, the hardware refilling the
-  // SM as soon as one finishes (at [2048, 8192] 16 x 1: 51.1 against 53.9 us unsorted, 130.4
-  // against 138.2 sorted, where a persistent cluster's other CTAs wait through rank 0's sort).
+  // SM as soon as one finishes (at [2048, 8192] 16 x 1, k 2048: 53.9 against 57.5 us unsorted,
+  // 133.0 against 135.3 sorted; at [4096, 32768] sorted 878 against 946, where a persistent
+  // cluster's other CTAs wait through rank 0's sort).
   const int persistent = cluster_size > 1 && !sorted;
   return JaxDgTopkRowsShaped(logits, stride, lo, hi, rows, cols, k, sorted, out, items,
                              cluster_size, persistent, stream);
