@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
   }
   struct Case { int rows, cols; };
   std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}, {2, 262144}, {2, 270000},
-                                                      {140, 30001}}   // rows past one persistent grid
+                                                      {270, 30001}}   // rows past one persistent grid (2 x 132 clusters)
                                   : std::vector<Case>{{2048, 8192}, {4096, 32768}, {64, 65536}, {256, 131072}, {256, 8192}};
   if (small && !tiny) cases.insert(cases.end(), {{300, 1000}, {300, 8191}});
   std::vector<int> ks = small ? std::vector<int>{1, 700, 4096} : std::vector<int>{512, 2048, 4096};
