@@ -446,10 +446,8 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
 }
 
 // The persistent grid: 2 clusters an SM (for single-CTA rows of 16 keys a thread, as many CTAs as
-// the SMs hold; larger clusters are cycled through the SMs by the hardware), each
-// taking every so many rows. This is the grid every persistent measurement ran: an occupancy
-// cache meant to size it per kernel shared one entry across them (a review found it) and held
-// the first query's 2 CTAs an SM for all.
+// the SMs hold; larger clusters are cycled through the SMs by the hardware), each taking every
+// so many rows: the grid topk_shapes.cu measured.
 constexpr int kPersistentClustersPerSm = 2;
 
 // persistent: kPersistentClustersPerSm clusters an SM, each taking every so many rows (else one
@@ -539,16 +537,17 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
     while (s * kThreads < k) s *= 2;
   }
   const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
+  const bool persist = persistent != 0;
   switch (items * 16 + cluster_size) {
-    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
-    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent != 0, stream);
+    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

@@ -21,6 +21,14 @@ from tests.ops.test_paged_mqa import gpu_case, make_case
 I32 = jnp.int32
 
 
+def random_ranges(keys, m, n):
+    """Per-row [ks, ke) that start before the row, inside it or past its middle and may end past
+    it (the kernel clamps them to the row)."""
+    ks = jax.random.randint(keys(), (m,), -5, n // 2).astype(I32)
+    ke = jnp.minimum(ks + jax.random.randint(keys(), (m,), 0, n + 10), n + 7).astype(I32)
+    return ks, ke
+
+
 def tricky_logits(keys, m, n, levels=7):
     """Few distinct values (many ties), +0.0 and -0.0, an all -inf row, NaNs, -inf holes."""
     x = jnp.round(jax.random.normal(keys(), (m, n)) * levels) / levels
@@ -247,8 +255,7 @@ def test_gpu_every_kernel_shape_equals_the_cpu_twin(keys, n):
     assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
     m = 8
     x = tricky_logits(keys, m, n, levels=3)
-    ks = jax.random.randint(keys(), (m,), -5, n // 2).astype(I32)
-    ke = jnp.minimum(ks + jax.random.randint(keys(), (m,), 0, n + 10), n + 7).astype(I32)
+    ks, ke = random_ranges(keys, m, n)
     for k, srt, ranged in itertools.product((1, 777, 4096), (True, False), (False, True)):
         lo, hi = (ks, ke) if ranged else (None, None)
         call = lambda x, lo, hi: jax_dg.topk_indices(x, k, ks=lo, ke=hi, sorted=srt)   # noqa: E731
@@ -266,8 +273,7 @@ def test_gpu_rows_past_one_persistent_grid_equal_the_cpu_twin(keys, n):
     m = 700
     x = tricky_logits(keys, m, n, levels=3)
     x = x.at[m // 2:].set(jax.random.normal(keys(), (m - m // 2, n)))   # rows without ties too
-    ks = jax.random.randint(keys(), (m,), -5, n // 2).astype(I32)
-    ke = jnp.minimum(ks + jax.random.randint(keys(), (m,), 0, n + 10), n + 7).astype(I32)
+    ks, ke = random_ranges(keys, m, n)
     for k, srt in itertools.product((777, 4096), (True, False)):
         call = lambda x, lo, hi: jax_dg.topk_indices(x, k, ks=lo, ke=hi, sorted=srt)   # noqa: E731
         got = np.asarray(jax.jit(call)(x, ks, ke))
