@@ -8,7 +8,10 @@
 //   /tmp/topk_shapes          every bench shape, k 512/2048/4096, sorted and not
 //   /tmp/topk_shapes small    a few small cases, each shape once (for the sanitizer)
 //   /tmp/topk_shapes tiny     the same with fewer rows (for racecheck, which is slow)
-//   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER [PERSISTENT]]   one call (for a profiler)
+//   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER [GRID [TIES]]]   one call (for a profiler
+//                             or a sanitizer; GRID as JaxDgTopkRowsShaped's `persistent`: n > 1 is
+//                             n persistent clusters, so a few rows still cross rows); <= 64 rows
+//                             are checked against the CPU
 //   /tmp/topk_shapes time ROWS COLS K SORTED [TIES]   one shape timed (and then the baseline)
 //
 // With -DTOPK_BASELINE and a previous kernels/topk.cu compiled with its entry points renamed
@@ -105,11 +108,12 @@ int main(int argc, char** argv) {
   if (argc > 5 && std::strcmp(argv[1], "one") == 0) {
     const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
     const int sorted = std::atoi(argv[5]);
+    const int ties = argc > 9 ? std::atoi(argv[9]) : 0;
     float* x;
     int* out;
     CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
     CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
-    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 7, 0);
+    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 7, ties);
     for (int i = 0; i < 2; ++i) {   // the second call is the one to profile (nothing to set up)
       if (argc > 7) {
         CHECK(JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, std::atoi(argv[6]),
@@ -120,6 +124,21 @@ int main(int argc, char** argv) {
       }
     }
     CHECK(cudaDeviceSynchronize());
+    if (rows <= 64) {   // small runs (the sanitizer's) are checked against the CPU, every row
+      std::vector<float> host(int64_t(rows) * cols);
+      std::vector<int> got(int64_t(rows) * k);
+      CHECK(cudaMemcpy(host.data(), x, host.size() * 4, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
+      for (int r = 0; r < rows; ++r) {
+        if (CpuRow(host.data() + int64_t(r) * cols, cols, k, sorted) !=
+            std::vector<int>(got.begin() + int64_t(r) * k, got.begin() + int64_t(r + 1) * k)) {
+          std::printf("MISMATCH vs CPU: rows %d cols %d k %d sorted %d ties %d row %d\n", rows, cols, k,
+                      sorted, ties, r);
+          return 1;
+        }
+      }
+      std::printf("one: rows %d cols %d k %d sorted %d ties %d agree with the CPU\n", rows, cols, k, sorted, ties);
+    }
     return 0;
   }
   if (argc > 5 && std::strcmp(argv[1], "time") == 0) {   // one shape: default (and baseline) us

@@ -15,9 +15,10 @@
 // `key >= prefix`; otherwise the scan counts (keys above the threshold, keys equal to it) and
 // takes the keys above it and the first `need` equal to it. The cluster's first CTA gathers the
 // row's columns in shared memory and writes them coalesced: unsorted, in column order; sorted,
-// after a stable LSD radix sort of (key - prefix, column) on the bits the selected keys can
-// differ in (up to 8-bit digits ranked with match.any; value descending, equal values keep
-// column order: lax.top_k's order). No atomics decide a slot: the result is the same on every run.
+// in value-descending order, equal values in column order (lax.top_k's), by a bucket sort (k <=
+// 2048, rows <= 32768 keys, no bucket over 32 keys) or a stable LSD radix sort of (key - prefix,
+// column) on the bits the selected keys can differ in (up to 8-bit digits ranked with match.any).
+// No atomics decide a slot: the result is the same on every run.
 //
 // Loads are asynchronous copies (cp.async) through shared memory. A grid can be persistent
 // (cluster c takes rows c, c + clusters, ..., starting the next row's copies before it selects
@@ -228,6 +229,135 @@ __device__ __forceinline__ void StartLoad(float4* stage, const float* x, Range r
   }
 }
 
+// The sorts of a row's selected (key, column) pairs, sh.key / sh.col[0, n) in column order, into
+// output order (value descending, then column ascending: lax.top_k's), by rank 0's threads.
+// Every key lies in [prefix, prefix + 2^end_bit). The columns end in sh.col[0, n).
+
+// First try: buckets of the top kBucketBits bits of key - prefix (a histogram, a scan of it and a
+// scatter), then each key's place in its bucket counted against the bucket's other keys. On random
+// logits a bucket holds a few keys, and this is one pass where the radix sort takes three or four.
+// Where a bucket holds more than kMaxBucket (ties, narrow values) it returns false having written
+// nothing but the histograms, and the radix sort takes the row. The atomics give each key a
+// position in its bucket that may vary from run to run; the final place is counted, so does not.
+constexpr int kBucketBits = 11;   // 2048 buckets: the selection's histograms, reused
+constexpr uint32_t kMaxBucket = 32;
+static_assert(1 << kBucketBits == kBins, "a bucket is a histogram bin");
+
+template <int kSortItems, typename S>
+__device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int end_bit) {
+  const int tid = threadIdx.x;
+  const int shift = max(end_bit - kBucketBits, 0);
+  uint32_t* count = sh.hist[0];   // the selection is done with both (its last reader has synced)
+  uint32_t* start = sh.hist[1];
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) count[tid + j * kThreads] = 0;
+  __syncthreads();
+  uint32_t pos[kSortItems];   // held through the scan: the pairs themselves are read twice
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    const int t = i * kThreads + tid;
+    if (t < n) pos[i] = atomicAdd(&count[(sh.key[t] - prefix) >> shift], 1u);
+  }
+  __syncthreads();
+  // bucket starts, highest bucket first; and whether one is too full
+  uint32_t c[kBinsPerThread], sum = 0, most = 0;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    c[j] = count[kBins - 1 - (tid * kBinsPerThread + j)];
+    sum += c[j];
+    most = max(most, c[j]);
+  }
+  uint32_t before, total;
+  Scan(sh.scan).ExclusiveSum(sum, before, total);
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    start[kBins - 1 - (tid * kBinsPerThread + j)] = before;
+    before += c[j];
+  }
+  if (__syncthreads_or(most > kMaxBucket)) return false;
+  uint32_t key[kSortItems];
+  int col[kSortItems];
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    const int t = i * kThreads + tid;
+    if (t < n) {
+      key[i] = sh.key[t];
+      col[i] = sh.col[t];
+      pos[i] += start[(key[i] - prefix) >> shift];   // the pair's place in its bucket's range
+    }
+  }
+  __syncthreads();   // every pair is read before any moves
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    if (i * kThreads + tid < n) {
+      sh.key[pos[i]] = key[i];
+      sh.col[pos[i]] = col[i];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {   // pos becomes the pair's final place
+    if (i * kThreads + tid < n) {
+      const uint32_t b = (key[i] - prefix) >> shift;
+      const int s = static_cast<int>(start[b]), e = s + static_cast<int>(count[b]);
+      int r = s;
+#pragma unroll 1
+      for (int q = s; q < e; ++q) {
+        const uint32_t kq = sh.key[q];
+        r += kq > key[i] || (kq == key[i] && sh.col[q] < col[i]);
+      }
+      pos[i] = static_cast<uint32_t>(r);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    if (i * kThreads + tid < n) sh.col[pos[i]] = col[i];
+  }
+  __syncthreads();
+  return true;
+}
+
+// The general sort: a stable LSD radix sort of key - prefix over [0, end_bit) in digits of equal
+// width <= kRankBits, each pass ranking the keys held warp-striped (the order match.any ranking
+// keeps) and scattering them to their ranks in shared memory. Slots [n, kThreads * kSortItems)
+// hold (prefix, -1), which sort after every selected key.
+template <int kSortItems, typename S>
+__device__ __forceinline__ void RadixSort(S& sh, uint32_t prefix, int end_bit) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint32_t keys[kSortItems];
+  int cols[kSortItems];
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    const int t = (warp * kSortItems + i) * 32 + lane;
+    keys[i] = sh.key[t] - prefix;
+    cols[i] = sh.col[t];
+  }
+  const int passes = (end_bit + kRankBits - 1) / kRankBits;
+  const int width = (end_bit + passes - 1) / passes;
+#pragma unroll 1
+  for (int p = 0; p < passes; ++p) {
+    int ranks[kSortItems];
+    // (RankKeys starts with a barrier: every thread has read sh.key / sh.col by then)
+    typename S::Rank(sh.sort).RankKeys(keys, ranks, Digits{static_cast<uint32_t>(p * width), (1u << width) - 1});
+    const bool last = p + 1 == passes;
+#pragma unroll
+    for (int i = 0; i < kSortItems; ++i) {
+      if (!last) sh.key[ranks[i]] = keys[i];
+      sh.col[ranks[i]] = cols[i];
+    }
+    __syncthreads();
+    if (!last) {
+#pragma unroll
+      for (int i = 0; i < kSortItems; ++i) {
+        const int t = (warp * kSortItems + i) * 32 + lane;
+        keys[i] = sh.key[t];
+        cols[i] = sh.col[t];
+      }
+    }
+  }
+}
+
 // kItems keys per thread (a multiple of 4); kSortItems: 0 unsorted, else the sort's items per
 // thread (kThreads * kSortItems >= k); kCluster CTAs per row. vec: logits and stride allow
 // 16-byte loads. Cluster c takes rows c, c + clusters, ... (one row where the grid has a cluster a
@@ -398,48 +528,19 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
       }
       Sync<kCluster>();
       if (rank == 0) {
-        // Every selected key lies in [prefix, top_key]: sort key - prefix, on its significant bits
-        // only (the radix sort is stable, so equal keys keep column order).
+        // Every selected key lies in [prefix, top_key]: the sort looks at the significant bits of
+        // key - prefix only.
         const uint32_t top_key = static_cast<uint32_t>(((static_cast<uint64_t>(top) + 1) << 21) - 1);
         const uint32_t spread = top_key - prefix;
         const int end_bit = spread == 0 ? 1 : 32 - __clz(spread);
-        // LSD passes over [0, end_bit) in digits of equal width <= kRankBits, each ranking the
-        // keys held warp-striped (the order match.any ranking keeps) and scattering them to their
-        // ranks in shared memory; the last pass leaves the columns in output order.
-        const int warp = tid >> 5;
-        uint32_t keys[kSortItems];
-        int cols_[kSortItems];
-#pragma unroll
-        for (int i = 0; i < kSortItems; ++i) {
-          const int t = (warp * kSortItems + i) * 32 + lane;
-          keys[i] = sh.key[t] - prefix;
-          cols_[i] = sh.col[t];
+        // The bucket sort where it measured faster (RESULTS.md, session 8: 1.27x at [2048, 8192]
+        // k 512 and 2048); at k 4096 or past 32768 keys a row its buckets fill up (0.66-0.96x).
+        if constexpr (kSortItems <= 4 && kItems <= 32) {
+          if (!BucketSort<kSortItems>(sh, selected, prefix, end_bit)) RadixSort<kSortItems>(sh, prefix, end_bit);
+        } else {
+          RadixSort<kSortItems>(sh, prefix, end_bit);
         }
-        const int passes = (end_bit + kRankBits - 1) / kRankBits;
-        const int width = (end_bit + passes - 1) / passes;
-#pragma unroll 1
-        for (int p = 0; p < passes; ++p) {
-          int ranks[kSortItems];
-          // (RankKeys starts with a barrier: every thread has read sh.key / sh.col by then)
-          typename Shared<kItems, kSortItems>::Rank(sh.sort).RankKeys(
-              keys, ranks, Digits{static_cast<uint32_t>(p * width), (1u << width) - 1});
-          const bool last = p + 1 == passes;
-#pragma unroll
-          for (int i = 0; i < kSortItems; ++i) {
-            if (!last) sh.key[ranks[i]] = keys[i];
-            sh.col[ranks[i]] = cols_[i];
-          }
-          __syncthreads();
-          if (!last) {
-#pragma unroll
-            for (int i = 0; i < kSortItems; ++i) {
-              const int t = (warp * kSortItems + i) * 32 + lane;
-              keys[i] = sh.key[t];
-              cols_[i] = sh.col[t];
-            }
-          }
-        }
-        for (int t = tid; t < k; t += kThreads) o[t] = sh.col[t];
+        for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sh.col[t] : -1;
       }
     }
   }  // rows
@@ -450,11 +551,12 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
 // so many rows: the grid topk_shapes.cu measured.
 constexpr int kPersistentClustersPerSm = 2;
 
-// persistent: kPersistentClustersPerSm clusters an SM, each taking every so many rows (else one
-// cluster a row).
+// grid: 0 one cluster a row; 1 persistent, kPersistentClustersPerSm clusters an SM, each taking
+// every so many rows; n > 1 persistent with n clusters (tuning, and few-row sanitizer runs that
+// still cross rows).
 template <int kItems, int kSortItems, int kCluster>
 int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, int rows, int cols,
-           int k, bool vec, int* out, bool persistent, cudaStream_t stream) {
+           int k, bool vec, int* out, int grid, cudaStream_t stream) {
   auto* kernel = TopkKernel<kItems, kSortItems, kCluster>;
   constexpr size_t smem = sizeof(Shared<kItems, kSortItems>);
   static const cudaError_t opted_in = [&] {   // above 48 KiB, once per instantiation
@@ -474,8 +576,8 @@ int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, in
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = kCluster > 1 ? 1 : 0;
-  int clusters = rows;
-  if (persistent) {
+  int clusters = grid > 1 ? std::min(rows, grid) : rows;
+  if (grid == 1) {
     int device = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -488,13 +590,13 @@ int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, in
 
 template <int kItems, int kCluster>
 int LaunchSorted(int sort_items, const float* logits, int64_t stride, const int* lo, const int* hi,
-                 int rows, int cols, int k, bool vec, int* out, bool persistent, cudaStream_t stream) {
+                 int rows, int cols, int k, bool vec, int* out, int grid, cudaStream_t stream) {
   switch (sort_items) {
-    case 0: return Launch<kItems, 0, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 1: return Launch<kItems, 1, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 2: return Launch<kItems, 2, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 4: return Launch<kItems, 4, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    default: return Launch<kItems, 8, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 0: return Launch<kItems, 0, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 1: return Launch<kItems, 1, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 2: return Launch<kItems, 2, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 4: return Launch<kItems, 4, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    default: return Launch<kItems, 8, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
   }
 }
 
@@ -521,13 +623,14 @@ extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
 }
 
 // As JaxDgTopkRows with the kernel's shape given (items x cluster_size: 8 x 1, 16 x 1, 32 x 1,
-// 2, 4 or 8, 64 x 2, 4 or 8; their product times 512 >= cols), and persistent = 0 for a grid of
-// one cluster a row: for tuning. Other shapes give cudaErrorInvalidValue.
+// 2, 4 or 8, 64 x 2, 4 or 8; their product times 512 >= cols) and the grid (persistent: 0 one
+// cluster a row, 1 the persistent grid, n > 1 persistent with n clusters): for tuning and tests.
+// Other shapes, or persistent < 0, give cudaErrorInvalidValue.
 extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
                                    int items, int cluster_size, int persistent, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return 0;
-  if (k > kMaxK || cluster_size < 1 || cluster_size > kMaxCluster ||
+  if (k > kMaxK || persistent < 0 || cluster_size < 1 || cluster_size > kMaxCluster ||
       static_cast<int64_t>(items) * cluster_size * kThreads < cols) {
     return static_cast<int>(cudaErrorInvalidValue);   // (and the switch below: built shapes only)
   }
@@ -537,17 +640,16 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
     while (s * kThreads < k) s *= 2;
   }
   const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
-  const bool persist = persistent != 0;
   switch (items * 16 + cluster_size) {
-    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
-    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persist, stream);
+    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }
