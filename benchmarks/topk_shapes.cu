@@ -9,7 +9,7 @@
 //   /tmp/topk_shapes small    a few small cases, each shape once (for the sanitizer)
 //   /tmp/topk_shapes tiny     the same with fewer rows (for racecheck, which is slow)
 //   /tmp/topk_shapes one ROWS COLS K SORTED [ITEMS CLUSTER [GRID [TIES]]]   one call (for a profiler
-//                             or a sanitizer; GRID as JaxDgTopkRowsShaped's `persistent`: n > 1 is
+//                             or a sanitizer; GRID as JaxDgTopkRowsShaped's `grid`: n > 1 is
 //                             n persistent clusters, so a few rows still cross rows); <= 64 rows
 //                             are checked against the CPU
 //   /tmp/topk_shapes time ROWS COLS K SORTED [TIES]   one shape timed (and then the baseline)
@@ -32,7 +32,7 @@
 extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size);
 extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
-                                   int items, int cluster_size, int persistent, cudaStream_t stream);
+                                   int items, int cluster_size, int grid, cudaStream_t stream);
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
 #ifdef TOPK_BASELINE
@@ -85,6 +85,18 @@ std::vector<int> CpuRow(const float* x, int cols, int k, bool sorted) {
   return out;
 }
 
+// The first of rows [0, rows) where the kernel's output (got, [rows, k]) differs from the CPU's,
+// or -1.
+int FirstMismatch(const float* host, const std::vector<int>& got, int rows, int cols, int k, bool sorted) {
+  for (int r = 0; r < rows; ++r) {
+    if (CpuRow(host + int64_t(r) * cols, cols, k, sorted) !=
+        std::vector<int>(got.begin() + int64_t(r) * k, got.begin() + int64_t(r + 1) * k)) {
+      return r;
+    }
+  }
+  return -1;
+}
+
 float TimeUs(int reps, const std::function<void()>& f) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
@@ -129,13 +141,11 @@ int main(int argc, char** argv) {
       std::vector<int> got(int64_t(rows) * k);
       CHECK(cudaMemcpy(host.data(), x, host.size() * 4, cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
-      for (int r = 0; r < rows; ++r) {
-        if (CpuRow(host.data() + int64_t(r) * cols, cols, k, sorted) !=
-            std::vector<int>(got.begin() + int64_t(r) * k, got.begin() + int64_t(r + 1) * k)) {
-          std::printf("MISMATCH vs CPU: rows %d cols %d k %d sorted %d ties %d row %d\n", rows, cols, k,
-                      sorted, ties, r);
-          return 1;
-        }
+      const int r = FirstMismatch(host.data(), got, rows, cols, k, sorted);
+      if (r >= 0) {
+        std::printf("MISMATCH vs CPU: rows %d cols %d k %d sorted %d ties %d row %d\n", rows, cols, k,
+                    sorted, ties, r);
+        return 1;
       }
       std::printf("one: rows %d cols %d k %d sorted %d ties %d agree with the CPU\n", rows, cols, k, sorted, ties);
     }
@@ -197,14 +207,11 @@ int main(int argc, char** argv) {
           std::vector<int> got(int64_t(cs.rows) * k);
           CHECK(cudaMemcpy(got.data(), ref, got.size() * 4, cudaMemcpyDeviceToHost));
           const int check_rows = std::min<int64_t>(cs.rows, host.size() / cs.cols);
-          for (int r = 0; r < check_rows; ++r) {
-            if (CpuRow(host.data() + int64_t(r) * cs.cols, cs.cols, k, sorted) !=
-                std::vector<int>(got.begin() + int64_t(r) * k, got.begin() + int64_t(r + 1) * k)) {
-              std::printf("MISMATCH vs CPU: rows %d cols %d k %d sorted %d ties %d row %d\n", cs.rows,
-                          cs.cols, k, sorted, ties, r);
-              ++failures;
-              break;
-            }
+          const int bad_row = FirstMismatch(host.data(), got, check_rows, cs.cols, k, sorted);
+          if (bad_row >= 0) {
+            std::printf("MISMATCH vs CPU: rows %d cols %d k %d sorted %d ties %d row %d\n", cs.rows,
+                        cs.cols, k, sorted, ties, bad_row);
+            ++failures;
           }
           int d_items = 0, d_cluster = 0;
           const bool fits = JaxDgTopkShape(cs.cols, &d_items, &d_cluster);

@@ -623,14 +623,14 @@ extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
 }
 
 // As JaxDgTopkRows with the kernel's shape given (items x cluster_size: 8 x 1, 16 x 1, 32 x 1,
-// 2, 4 or 8, 64 x 2, 4 or 8; their product times 512 >= cols) and the grid (persistent: 0 one
-// cluster a row, 1 the persistent grid, n > 1 persistent with n clusters): for tuning and tests.
-// Other shapes, or persistent < 0, give cudaErrorInvalidValue.
+// 2, 4 or 8, 64 x 2, 4 or 8; their product times 512 >= cols) and the grid (0 one cluster a
+// row, 1 the persistent grid, n > 1 persistent with n clusters): for tuning and tests. Other
+// shapes, or grid < 0, give cudaErrorInvalidValue.
 extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
-                                   int items, int cluster_size, int persistent, cudaStream_t stream) {
+                                   int items, int cluster_size, int grid, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return 0;
-  if (k > kMaxK || persistent < 0 || cluster_size < 1 || cluster_size > kMaxCluster ||
+  if (k > kMaxK || grid < 0 || cluster_size < 1 || cluster_size > kMaxCluster ||
       static_cast<int64_t>(items) * cluster_size * kThreads < cols) {
     return static_cast<int>(cudaErrorInvalidValue);   // (and the switch below: built shapes only)
   }
@@ -641,15 +641,15 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
   }
   const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
   switch (items * 16 + cluster_size) {
-    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
-    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, persistent, stream);
+    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }
