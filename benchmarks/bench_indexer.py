@@ -83,7 +83,7 @@ def prefill(s, sk):
 
 
 def decode(b, ctx):
-    q, cache, w, lens, table = bench_paged_mqa.inputs(b, ctx)
+    q, cache, w, lens, table = bench_paged_mqa.inputs(b, ctx, 1)
     max_len = table.shape[1] * bench_paged_mqa.BLOCK
     tq, tkv, tw, tl, tt = (to_torch(x) for x in (q, cache, w, lens, table))
     nsm = deep_gemm.get_num_sms()

@@ -2,8 +2,9 @@
 
     python benchmarks/bench_paged_mqa.py        (needs a CUDA device and deep_gemm)
 
-The DeepSeek V3.2 indexer's decode step: H64, D128, next_n 1, block 64, every request at the
-full context, blocks in a random permutation; B64/ctx8192 and B256/ctx32768. The schedule
+The DeepSeek V3.2 indexer's decode step: H64, D128, block 64, every request at the full
+context, blocks in a random permutation; B64/ctx8192 and B256/ctx32768 at next_n 1, B256/ctx8192
+at next_n 2 (MTP: two query rows a request). The schedule
 metadata is computed once outside the timed loops for every contender (a decode step reuses it
 across layers); only the logits are timed.
 
@@ -30,8 +31,8 @@ import deep_gemm
 import jax_dg
 from jax_dg.operands import paged
 
-SHAPES = [(64, 8192), (256, 32768)]
-H, D, NEXT_N, BLOCK = 64, 128, 1, 64
+SHAPES = [(64, 8192, 1), (256, 32768, 1), (256, 8192, 2)]   # (B, ctx, next_n)
+H, D, BLOCK = 64, 128, 64
 
 
 def to_torch(x):
@@ -40,13 +41,13 @@ def to_torch(x):
     return torch.from_dlpack(x)
 
 
-def inputs(b, ctx, seed=0):
-    lens = np.full((b, NEXT_N), ctx, np.int32)
+def inputs(b, ctx, next_n, seed=0):
+    lens = np.full((b, next_n), ctx, np.int32)
     table, nb = paged.build_block_tables(lens, BLOCK, key=seed)
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     cache = jax.jit(lambda k: paged.quantize_kv_cache(jax.random.normal(k, (nb, BLOCK, D), jnp.bfloat16)))(k1)
-    q = jax.random.normal(k2, (b, NEXT_N, H, D), jnp.bfloat16).astype(jnp.float8_e4m3fn)
-    w = jax.random.normal(k3, (b * NEXT_N, H), jnp.float32)
+    q = jax.random.normal(k2, (b, next_n, H, D), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    w = jax.random.normal(k3, (b * next_n, H), jnp.float32)
     return q, cache, w, jnp.asarray(lens), table
 
 
@@ -75,12 +76,12 @@ def plain_jnp(q, kv_cache, w, lens, table, max_len):
     return out.reshape(b * next_n, t)[:, :max_len]
 
 
-def bench_shape(b, ctx):
-    q, cache, w, lens, table = inputs(b, ctx)
+def bench_shape(b, ctx, next_n):
+    q, cache, w, lens, table = inputs(b, ctx, next_n)
     max_len = table.shape[1] * BLOCK
     meta = jax.jit(lambda l: jax_dg.get_paged_mqa_logits_metadata(l, BLOCK))(lens)
     jax.block_until_ready((q, cache, w, lens, table, meta))
-    row = {"shape": f"B{b} ctx{ctx}"}
+    row = {"shape": f"B{b} ctx{ctx}" + (f" next_n{next_n}" if next_n > 1 else "")}
     n = 200 if b * ctx <= 1 << 20 else 50
 
     tq, tkv, tw, tl, tt, tm = (to_torch(x) for x in (q, cache, w, lens, table, meta))
@@ -104,7 +105,7 @@ def bench_shape(b, ctx):
 
     # The output pass alone, on DeepGEMM's padded logits and an XLA-sized buffer.
     src = torch_call()
-    out = torch.empty((b * NEXT_N, max_len), dtype=torch.float32, device="cuda")
+    out = torch.empty((b * next_n, max_len), dtype=torch.float32, device="cuda")
     row["copy_us"] = timing.per_call_us(lambda: out.copy_(src), timing.torch_sync, n)
 
     # Sanity: jax_dg's valid logits are DeepGEMM's, bit for bit; the jnp contender agrees.
@@ -124,7 +125,7 @@ def bench_shape(b, ctx):
 def main():
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, torch {torch.__version__}, "
           f"deep_gemm {getattr(deep_gemm, '__version__', '?')}, num_sms {deep_gemm.get_num_sms()}")
-    rows = [bench_shape(b, ctx) for b, ctx in SHAPES]
+    rows = [bench_shape(*shape) for shape in SHAPES]
     plot.write("bench_paged_mqa", "fp8_fp4_paged_mqa_logits", rows, [
         ("shape", "shape"), ("torch_us", "torch us"), ("jax_dg_us", "jax_dg us"),
         ("jax_dg_noclean_us", "no-clean us"), ("jnp_us", "jnp us"), ("torch/jax_dg", "torch/jax_dg"),

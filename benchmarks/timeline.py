@@ -14,6 +14,9 @@ of the process, XLA's included, so both sides are seen the same way. Per call:
   idle us    (first start to last end) / n - busy: the GPU waiting for the host
   wall us    UNPROFILED: n back-to-back calls then one sync, best of >= 5 repeats after
              warm-up, both sides interleaved (timing.compare)
+  entries    jax_dg's handler entries per call (bridge + native), one more sample after the
+             timed ones: 0 where XLA replays a recorded command buffer; >= 1 where it runs the
+             custom calls, or re-records them because a buffer they touch moved
   jax_dg-only kernels: kernel names (template arguments and XLA's numbering cut off) that
              jax_dg launches more often than torch: "+extra launches per call (jax_dg's us
              per call in that kernel)"
@@ -69,14 +72,14 @@ GRAPH_OPTIONS = {"xla_gpu_graph_min_graph_size": 1}
 SHAPES = {
     "gemm": (4096, 24576, 1536), "gemm_small": (64, 2112, 7168),
     "mqa": (2048, 8192),
-    "paged_b64": (64, 8192), "paged_b256": (256, 32768),
+    "paged_b64": (64, 8192, 1), "paged_b256": (256, 32768, 1), "paged_b256_n2": (256, 8192, 2),
     "grouped_contiguous": (8, 4096, 4096, 7168), "grouped_masked": (8, 4096, 4096, 7168),
     "indexer_topk": (2048, 8192, TOPK), "topk_indices": (2048, 8192, TOPK),
 }
 SMOKE_SHAPES = {
     "gemm": (128, 256, 256), "gemm_small": (64, 128, 256),
     "mqa": (64, 256),
-    "paged_b64": (2, 256), "paged_b256": (4, 512),
+    "paged_b64": (2, 256, 1), "paged_b256": (4, 512, 1), "paged_b256_n2": (4, 256, 2),
     "grouped_contiguous": (2, 256, 256, 256), "grouped_masked": (2, 256, 256, 256),
     "indexer_topk": (64, 256, 32), "topk_indices": (64, 256, 32),
 }
@@ -318,8 +321,8 @@ def case_mqa(env: Env, key: str) -> Case:
 
 def case_paged(env: Env, key: str) -> Case:
     import bench_paged_mqa as bp
-    b, ctx = env.shapes[key]
-    q, cache, w, lens, table = bp.inputs(b, ctx)
+    b, ctx, next_n = env.shapes[key]
+    q, cache, w, lens, table = bp.inputs(b, ctx, next_n)
     max_len = table.shape[1] * bp.BLOCK
     # the schedule computed once outside the timed calls and given to both (as bench_paged_mqa)
     meta = jax.jit(lambda l: jax_dg.get_paged_mqa_logits_metadata(l, bp.BLOCK))(lens)
@@ -330,7 +333,8 @@ def case_paged(env: Env, key: str) -> Case:
         return jax_dg.fp8_fp4_paged_mqa_logits((q, None), kv, w, l, t, m, max_len)
     f = jax.jit(op)
     args = (q, cache, w, lens, table, meta)
-    return Case(key, "paged_mqa_logits", f"B{b} ctx{ctx} schedule given",
+    return Case(key, "paged_mqa_logits",
+                f"B{b} ctx{ctx}" + (f" next_n{next_n}" if next_n > 1 else "") + " schedule given",
                 lambda: env.dg.fp8_fp4_paged_mqa_logits((tq, None), tkv, tw, tl, tt, tm, max_len,
                                                         clean_logits=False),
                 lambda: f(*args), op, args)
@@ -409,7 +413,7 @@ def case_topk(env: Env, key: str) -> Case:
 
 
 BUILDERS = {"gemm": case_gemm, "gemm_small": case_gemm, "mqa": case_mqa,
-            "paged_b64": case_paged, "paged_b256": case_paged,
+            "paged_b64": case_paged, "paged_b256": case_paged, "paged_b256_n2": case_paged,
             "grouped_contiguous": case_grouped, "grouped_masked": case_grouped,
             "indexer_topk": case_indexer, "topk_indices": case_topk}
 
@@ -451,12 +455,27 @@ def wall(runs: dict, n: int, repeats: int) -> dict:
     return {k: v / n for k, v in t.items()}
 
 
+def handler_entries(runs: dict, n: int) -> dict:
+    """jax_dg's handler entries (bridge and native) per call of each jax_dg side, over one more
+    sample after the timed ones: 0 where XLA replays a recorded command buffer, one or more where
+    it runs (or re-records) the custom calls."""
+    from jax_dg.core import bridge, native
+    out = {}
+    for side, (run, sync) in runs.items():
+        if side == "torch":
+            continue
+        before = bridge.call_count() + native.call_count()
+        sync(run())
+        out[side] = (bridge.call_count() + native.call_count() - before) / n
+    return out
+
+
 def profile_case(env: Env, runs: dict, n: int) -> dict:
     groups = record(list(runs.values()), smoke=env.smoke)
     return {name: stats(g, n) for name, g in zip(runs, groups)}
 
 
-def rows_of(case: Case, walls: dict, prof: dict, n: int) -> list[dict]:
+def rows_of(case: Case, walls: dict, entries: dict, prof: dict, n: int) -> list[dict]:
     tt = prof["torch"]
     rows = []
     for side, mode in (("jax_dg", "calls"), ("chain", f"chain{n}"), ("graph", "calls, graph")):
@@ -471,6 +490,7 @@ def rows_of(case: Case, walls: dict, prof: dict, n: int) -> list[dict]:
             "torch_wall_us": walls["torch"], "jax_dg_wall_us": walls[side],
             "torch/jax_dg": walls["torch"] / walls[side] if walls[side] else float("nan"),
             "busy torch/jax_dg": tt["busy_us"] / tj["busy_us"] if tj["busy_us"] else float("nan"),
+            "entries": entries.get(side, float("nan")),
             "jax_dg_only": describe(extra_kernels(tj, tt)),
         })
     return rows
@@ -511,14 +531,16 @@ def main(argv=None):
             case = build(env, key)
             runs = contenders(env, case, n)
             walls = wall(runs, n, repeats)
+            entries = handler_entries(runs, n)
         except Exception as e:   # one failing case must not cost the others (a GPU run is dear)
             traceback.print_exc()
             print(f"!! {key}: skipped ({type(e).__name__}: {str(e)[:300]})", flush=True)
             continue
         print(f"{case.op} {case.shape}: wall us per call " + ", ".join(f"{k} {v:.1f}" for k, v in walls.items())
+              + "; handler entries per call " + ", ".join(f"{k} {v:g}" for k, v in entries.items())
               + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-        todo.append((case, runs, walls))
-    for case, runs, walls in todo:
+        todo.append((case, runs, walls, entries))
+    for case, runs, walls, entries in todo:
         try:
             prof = profile_case(env, runs, n)
         except Exception as e:
@@ -526,8 +548,8 @@ def main(argv=None):
             print(f"!! {case.key}: timeline skipped ({type(e).__name__}: {str(e)[:300]})", flush=True)
             continue
         print_kernels(case, prof)
-        rows += rows_of(case, walls, prof, n)
-        details[f"{case.op} {case.shape}"] = {"wall_us": walls, "timeline": prof}
+        rows += rows_of(case, walls, entries, prof, n)
+        details[f"{case.op} {case.shape}"] = {"wall_us": walls, "entries": entries, "timeline": prof}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "timeline_kernels.json"), "w") as f:
             json.dump(details, f, indent=1)
@@ -538,7 +560,7 @@ def main(argv=None):
         ("torch_idle_us", "torch idle us"), ("jax_dg_idle_us", "jax_dg idle us"),
         ("torch_wall_us", "torch wall us"), ("jax_dg_wall_us", "jax_dg wall us"),
         ("torch/jax_dg", "torch/jax_dg wall"), ("busy torch/jax_dg", "torch/jax_dg busy"),
-        ("jax_dg_only", "jax_dg-only kernels per call")],
+        ("entries", "jax_dg handler entries per call"), ("jax_dg_only", "jax_dg-only kernels per call")],
         label=lambda r: f"{r['op']} {r['shape']} {r['mode']}",
         ratios=["torch/jax_dg", "busy torch/jax_dg"])
 

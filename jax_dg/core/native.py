@@ -25,6 +25,7 @@ TARGETS: dict[str, str] = {
     "zero_masked_tail": "jax_dg_native_zero_masked_tail",
     "zero_padding_rows": "jax_dg_native_zero_padding_rows",
     "cast_fp8": "jax_dg_native_cast_fp8",
+    "paged_sanitise": "jax_dg_native_paged_sanitise",
 }
 
 
@@ -116,3 +117,23 @@ def cast_fp8(x, valid_rows, types, *, per_block: bool, ue8m0: bool, rows_out: bo
     call = jax.ffi.ffi_call(TARGETS["cast_fp8"], types, vmap_method="sequential")
     return tuple(call(x, valid_rows, per_block=bool(per_block), ue8m0=bool(ue8m0),
                       has_valid=has_valid, rows_out=bool(rows_out), cols_out=bool(cols_out)))
+
+
+def paged_sanitise(context_lens, block_tables, schedule, *, next_n: int, num_blocks: int,
+                   block_size: int, limit: int, zero_unused: bool):
+    """(ctx int32 [B, next_n], table int32 [B, W'], schedule or None): the paged logits call's
+    lengths, block table and (given) schedule with every value its kernel uses as an address in
+    range; jax_dg.reference.paged_mqa.paged_sanitised says what each holds (bitwise the same).
+    context_lens: int32 [B] or [B, next_n]; block_tables [B, W]; schedule [S + 1, 2] or None
+    (not bounded). W' = W rounded up to even with zero_unused, else W. limit <= W * block_size."""
+    b, w = block_tables.shape
+    width = w + w % 2 if zero_unused else w
+    fix = schedule is not None
+    types = (jax.ShapeDtypeStruct((b, int(next_n)), jnp.int32),
+             jax.ShapeDtypeStruct((b, width), jnp.int32),
+             jax.ShapeDtypeStruct(schedule.shape if fix else (0,), jnp.int32))
+    call = jax.ffi.ffi_call(TARGETS["paged_sanitise"], types, vmap_method="sequential")
+    ctx, table, fixed = call(context_lens, block_tables, schedule if fix else jnp.zeros((0,), jnp.int32),
+                             num_blocks=int(num_blocks), block_size=int(block_size), limit=int(limit),
+                             zero_unused=bool(zero_unused), fix_schedule=fix)
+    return ctx, table, fixed if fix else None

@@ -21,18 +21,21 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
   kernel (those positions are then unspecified).
 - Block size 32: DeepGEMM reads block-table entries in pairs, so the table is padded to an
   even width and entries past each request's blocks are set to block 0 (a valid id).
-- Values DeepGEMM uses as addresses are brought into range in the jitted program (selects on
-  the [B] lengths and the [B, max_blocks] table, fused; `sanitise_paged`): a block-table entry
+- Values DeepGEMM uses as addresses are brought into range by jax_dg's own kernel before
+  DeepGEMM's (`PAGED_SANITISE`, kernels/paged_sanitise.cu: one launch over the [B] lengths
+  and the [B, max_blocks] table, a second for a given schedule): a block-table entry
   outside [0, num_blocks) ends its request's context at that block (the rows are -inf from its
   first token on, and paged_indexer_topk never picks it; the entry itself is replaced by block
   0), and lengths are clamped to min(max_model_len, max_blocks * block_size). So no value can
   make the kernel read or write out of bounds. Under `jax_dg.checked()` these raise instead.
 - With `schedule_metadata=None` the call computes the schedule of the sanitised lengths itself
   (DeepGEMM's metadata kernel, on the same stream; per shard when sharded over requests). A
-  caller-supplied schedule must come from the same context_lens (as with DeepGEMM); where
-  sanitising changed a length it is replaced by the schedule of the sanitised lengths
-  (DeepGEMM's algorithm in XLA, bit-exact), since one made for longer rows would send the
-  kernel past them. Checked mode also verifies that it is the schedule of context_lens.
+  caller-supplied schedule must come from the same context_lens (as with DeepGEMM); it is
+  bounded to the sanitised lengths in the same kernel (the identity on DeepGEMM's own
+  schedule; SM90, next_n <= 2), since one made for longer rows would send the kernel past
+  them; elsewhere (varlen, next_n 4), where sanitising changed a length, it is replaced by
+  the schedule of the sanitised lengths (DeepGEMM's algorithm in XLA, bit-exact). Checked mode
+  also verifies that it is the schedule of context_lens.
 JAX arrays are always contiguous: torch's concern about block tables whose last stride is not
 1 does not arise.
 """
@@ -349,62 +352,51 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
                   "(from get_paged_mqa_logits_metadata with this device's num_sms"
                   + (" and next_n=4" if slots != t.num_sms else "") + ")")
 
-    # Lengths as the kernel needs them: 2-D, rows cut to the request's last row, >= 0.
-    if context_lens.ndim == 1:
-        ctx = context_lens[:, None] - next_n + 1 + jnp.arange(next_n, dtype=I32)[None, :]
-    else:
-        ctx = context_lens
-    given = jnp.maximum(ctx[:, -1:], 0)
-    last, block_tables = sanitise_paged(name, given, block_tables, nb, blk,
-                                        min(max_model_len, width * blk))
-    ctx = jnp.concatenate([jnp.clip(ctx[:, :-1], 0, last), last], axis=1) if next_n > 1 else last
+    # Lengths, block table and a given schedule as the kernel reads them: every address in
+    # range, whatever the values (one native kernel; checked mode raises instead)
+    limit = min(max_model_len, width * blk)
+    raw = context_lens if context_lens.ndim == 1 else context_lens[:, -1]
+    given = jnp.maximum(raw, 0)[:, None]
+    if values.checking():
+        _require_in_range(name, given, block_tables, nb, blk, limit)
+    bounded = schedule_metadata is not None and indices is None and next_n <= 2 and _walk_known()
+    ctx, block_tables, *fixed = PAGED_SANITISE(
+        context_lens, block_tables, schedule_metadata if bounded else None, next_n=next_n,
+        num_blocks=nb, block_size=blk, limit=limit, zero_unused=blk == 32,
+        one_d=context_lens.ndim == 1)
     if indices is not None:   # request ids of the varlen form: addresses too
         values.require(name, "indices", (indices >= 0) & (indices < b), f"must lie in [0, B = {b})",
                        indices)
         indices = jnp.clip(indices, 0, b - 1)
     if schedule_metadata is not None:
-        schedule_metadata = _trusted_schedule(name, schedule_metadata, given, last, ctx, indices, slots,
-                                              min(max_model_len, width * blk))
-    if blk == 32:   # entries are read in pairs: even width, and valid ids past each request's blocks
-        if width % 2:
-            block_tables = jnp.pad(block_tables, ((0, 0), (0, 1)))
-        used = jnp.arange(block_tables.shape[1], dtype=I32)[None, :] < (last + blk - 1) // blk
-        block_tables = jnp.where(used, block_tables, 0)
+        schedule_metadata = _trusted_schedule(name, schedule_metadata, given, ctx, indices, slots,
+                                              fixed[0] if bounded else None)
     # Without a schedule the call computes its own (DeepGEMM's kernel, on the same stream): the
     # schedule of exactly the rows it scores, also per shard when sharded over requests.
     return ((qv, q_sf, kv_cache, weights, ctx, block_tables, schedule_metadata, indices),
             dict(max_model_len=max_model_len, slots=slots))
 
 
-def sanitise_paged(name: str, last, block_tables, num_blocks: int, blk: int, limit: int):
-    """(last [B, 1], block_tables) with every value the kernel uses as an address in range
-    (fused selects on [B] and [B, max_blocks] int32; nothing reads the cache or the logits):
-    - a block-table entry outside [0, num_blocks) ends its request's context at that block's
-      first token (the entry is replaced by block 0, which is then never scored);
-    - a length is cut to `limit` = min(max_model_len, max_blocks * block_size).
-    In checked mode (jax_dg.checked) an out-of-range entry among a request's blocks, or a length
-    above the limit, raises instead."""
-    width = block_tables.shape[1]
+def _require_in_range(name: str, given, block_tables, num_blocks: int, blk: int, limit: int):
+    """Checked mode (jax_dg.checked): an out-of-range entry among a request's blocks, or a
+    length above `limit` = min(max_model_len, max_blocks * block_size), raises."""
     bad = (block_tables < 0) | (block_tables >= num_blocks)
-    first_bad = jnp.min(jnp.where(bad, jnp.arange(width, dtype=I32)[None, :], width), axis=1,
-                        keepdims=True)
-    used = jnp.arange(width, dtype=I32)[None, :] < (last + blk - 1) // blk
+    used = jnp.arange(block_tables.shape[1], dtype=I32)[None, :] < (given + blk - 1) // blk
     values.require(name, "block_tables", ~(bad & used),
                    f"entries of a request's blocks (the first ceil(context_len / {blk})) must lie "
                    f"in [0, num_blocks = {num_blocks})", block_tables)
-    values.require(name, "context_lens", last <= limit, f"must be <= {limit} (max_model_len and "
-                   "max_blocks * block_size)", last)
-    last = jnp.minimum(jnp.minimum(last, limit), first_bad * blk)
-    return last, jnp.where(bad, 0, block_tables)
+    values.require(name, "context_lens", given <= limit, f"must be <= {limit} (max_model_len and "
+                   "max_blocks * block_size)", given)
 
 
-def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots, limit):
+def _trusted_schedule(name, given_meta, given_last, ctx, indices, slots, bounded):
     """The caller's schedule, trusted as DeepGEMM trusts it but made safe for the lengths the
     kernel gets (a schedule made for longer rows would send the kernel past them): on SM90 with
-    one atom per row (next_n 1 or 2) a fix-up of [slots + 1] entries that is the identity for
-    DeepGEMM's own schedule (`bounded_schedule`); otherwise (the varlen form, next_n 4), where
-    sanitising changed a length, the schedule of the sanitised lengths (DeepGEMM's algorithm in
-    XLA). Checked mode verifies that it is the schedule of context_lens."""
+    one atom per row (next_n 1 or 2) `bounded`, the sanitising kernel's fix-up of [slots + 1]
+    entries that is the identity for DeepGEMM's own schedule (reference.bounded_schedule);
+    otherwise (the varlen form, next_n 4), where sanitising changed a length, the schedule of
+    the sanitised lengths (DeepGEMM's algorithm in XLA). Checked mode verifies that it is the
+    schedule of context_lens."""
     def schedule(lens):
         if indices is None:
             return ref.paged_mqa_logits_metadata(lens, num_sms=slots)
@@ -413,9 +405,9 @@ def _trusted_schedule(name, given_meta, given_last, last, ctx, indices, slots, l
         values.require(name, "schedule_metadata", jnp.all(given_meta == schedule(given_last))[None],
                        "must be get_paged_mqa_logits_metadata(context_lens, block_size) of these "
                        "context_lens")
-    if indices is None and ctx.shape[1] <= 2 and _walk_known():
-        return bounded_schedule(given_meta, last[:, 0], limit)
-    return jnp.where(jnp.all(last == given_last), given_meta, schedule(ctx))
+    if bounded is not None:
+        return bounded
+    return jnp.where(jnp.all(ctx[:, -1:] == given_last), given_meta, schedule(ctx))
 
 
 def _walk_known() -> bool:
@@ -426,31 +418,61 @@ def _walk_known() -> bool:
     return t.arch == "sm90" and (t.backend != "deep_gemm" or (2, 5) <= deep_gemm.version_tuple() <= (2, 6))
 
 
-def bounded_schedule(meta, lens, limit: int):
-    """A paged schedule [S + 1, 2] that DeepGEMM's SM90 kernel walks within bounds for these
-    lengths [B] (each <= `limit`, static), whatever `meta` holds; DeepGEMM's own schedule of
-    `lens` comes back unchanged.
+# --- the call's addresses in range: jax_dg's own kernel -----------------------------------------
 
-    The kernel (sm90_fp8_paged_mqa_logits.cuh with its scheduler, DeepGEMM 2.5) starts SM s at
-    the (row, 256-token split) meta[s] and walks splits in row-major order, one task per split
-    and at least one per row, until it reaches meta[s + 1] exactly; it writes logits columns
-    [256 y, 256 y + 256) of a task unguarded, and reads context_lens at its start row. So the
-    entries are rounded up into the tasks that exist, made non-decreasing, the first at the
-    first non-empty row, the starts below row B and the sentinel (B, 0): every task is then
-    walked exactly once, by some SM, and nothing past a row's splits or the batch is touched.
-    Each task's result depends on its row and blocks alone: the logits are bitwise the same."""
-    b = lens.shape[0]
-    k = contracts.cdiv(limit, contracts.SPLIT_KV) + 1          # splits per row, as a key's radix
-    assert (b + 1) * k < 2 ** 31, "paged schedule key overflows int32"
-    tasks = jnp.maximum((lens + contracts.SPLIT_KV - 1) // contracts.SPLIT_KV, 1)   # >= 1 a row
-    q = jnp.clip(meta[:, 0], 0, b)
-    y = jnp.maximum(meta[:, 1], 0)
-    over = y >= jnp.where(q < b, tasks[jnp.minimum(q, b - 1)], 1)
-    key = jnp.where(over, jnp.minimum(q + 1, b) * k, q * k + y)      # past a row: the next one
-    first = jnp.where(jnp.any(lens > 0), jnp.argmax(lens > 0), b - 1).astype(I32)
-    key = jnp.minimum(key.at[0].set(first * k), (b - 1) * k + tasks[b - 1] - 1).at[-1].set(b * k)
-    key = jax.lax.cummax(key)
-    return jnp.stack([key // k, key % k], axis=1).astype(I32)
+def _sanitise_shapes(context_lens, block_tables, schedule_metadata, *, next_n, num_blocks,
+                     block_size, limit, zero_unused, one_d):
+    b, w = block_tables.shape
+    assert 0 <= limit <= w * block_size and limit + block_size < 2 ** 31, (limit, w, block_size)
+    assert context_lens.ndim == (1 if one_d else 2), (context_lens.shape, one_d)
+    out = [jax.ShapeDtypeStruct((b, next_n), I32),
+           jax.ShapeDtypeStruct((b, w + w % 2 if zero_unused else w), I32)]
+    return out + ([jax.ShapeDtypeStruct(schedule_metadata.shape, I32)]
+                  if schedule_metadata is not None else [])
+
+
+def _sanitise_outputs(fn):
+    """The op's outputs (ctx, table[, schedule]) from `fn` (the native call or the reference),
+    which return the absent schedule as None."""
+    def call(context_lens, block_tables, schedule_metadata, *, next_n, num_blocks, block_size,
+             limit, zero_unused):
+        ctx, table, fixed = fn(context_lens, block_tables, schedule_metadata, next_n=next_n,
+                               num_blocks=num_blocks, block_size=block_size, limit=limit,
+                               zero_unused=zero_unused)
+        return (ctx, table) + (() if fixed is None else (fixed,))
+    return call
+
+
+def _sanitise_batch(size, batched, inputs, **static):
+    """vmap: every batch element's requests fold into B (one kernel); with a schedule (each
+    element's bounded over its own requests): sequential."""
+    if inputs.get("schedule_metadata") is not None:
+        return None
+    lens, table = (bcast(inputs[n], batched[n], size) for n in ("context_lens", "block_tables"))
+    ctx, table = PAGED_SANITISE(fold_rows(lens), fold_rows(table), None, **static)
+    return ctx.reshape(size, -1, ctx.shape[-1]), table.reshape(size, -1, table.shape[-1])
+
+
+def _sanitise_layout(names, *, one_d):
+    outs = ["b j", "b w"] + (["s y"] if "schedule_metadata" in names else [])
+    return Layout({"context_lens": "b" if one_d else "b j", "block_tables": "b x",
+                   "schedule_metadata": "s y"}, outs)
+
+
+# The paged logits call's lengths, block table and (bounded) schedule, every address in range
+# (reference.paged_sanitised says what each holds): requests split with no collective; a given
+# schedule is the whole batch's.
+PAGED_SANITISE = Op(
+    name="paged_sanitise",
+    args=("context_lens", "block_tables", "schedule_metadata"),
+    shapes=_sanitise_shapes,
+    native=_sanitise_outputs(native.paged_sanitise),
+    reference=_sanitise_outputs(ref.paged_sanitised),
+    own_kernels=("paged_sanitise",),
+    batch=_sanitise_batch,
+    sharding=Sharding(_sanitise_layout, free=frozenset({"b"}),
+                      forbid={"b": frozenset({"schedule_metadata"})}),
+)
 
 
 @exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)

@@ -99,6 +99,71 @@ def paged_mqa_logits_varlen_metadata(context_lens: jax.Array, indices: jax.Array
     return jnp.stack([row, split], axis=1).astype(jnp.int32)
 
 
+# --- the logits call's addresses brought into range ------------------------------------------
+
+def paged_sanitised(context_lens, block_tables, schedule, *, next_n: int, num_blocks: int,
+                    block_size: int, limit: int, zero_unused: bool):
+    """(ctx int32 [B, next_n], table int32 [B, W'], schedule int32 [S + 1, 2] or None): what
+    the paged logits kernel reads as addresses, in range whatever the values (jax_dg's native
+    kernel kernels/paged_sanitise.cu, bitwise):
+    - context_lens [B] (row j's length lens[b] - next_n + 1 + j) or [B, next_n];
+    - a block-table entry outside [0, num_blocks) ends its request's context at that block's
+      first token, and is replaced by block 0 (then never scored);
+    - the last row's length is cut to `limit` = min(max_model_len, W * block_size), every other
+      row's to the last row's;
+    - zero_unused (block size 32, entries read in pairs): entries past each request's blocks are
+      0 too, over an even width;
+    - schedule (DeepGEMM's SM90 walk, next_n <= 2): bounded to those lengths (bounded_schedule)."""
+    if context_lens.ndim == 1:   # int32 wrap-around, as the kernels'
+        ctx = context_lens[:, None] - next_n + 1 + jnp.arange(next_n, dtype=jnp.int32)[None, :]
+    else:
+        ctx = context_lens
+    width = block_tables.shape[1]
+    given = jnp.minimum(jnp.maximum(ctx[:, -1:], 0), limit)
+    bad = (block_tables < 0) | (block_tables >= num_blocks)
+    first_bad = jnp.min(jnp.where(bad, jnp.arange(width, dtype=jnp.int32)[None, :], width), axis=1,
+                        keepdims=True)
+    # first_bad capped where it can no longer cut (its product then stays within int32)
+    last = jnp.minimum(given, jnp.minimum(first_bad, contracts.cdiv(limit, block_size)) * block_size)
+    ctx = jnp.concatenate([jnp.clip(ctx[:, :-1], 0, last), last], axis=1) if next_n > 1 else last
+    table = jnp.where(bad, 0, block_tables)
+    if zero_unused:
+        if width % 2:
+            table = jnp.pad(table, ((0, 0), (0, 1)))
+        used = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :] < (last + block_size - 1) // block_size
+        table = jnp.where(used, table, 0)
+    if schedule is not None:
+        schedule = bounded_schedule(schedule, last[:, 0], limit)
+    return ctx, table, schedule
+
+
+def bounded_schedule(meta, lens, limit: int):
+    """A paged schedule [S + 1, 2] that DeepGEMM's SM90 kernel walks within bounds for these
+    lengths [B] (each <= `limit`, static), whatever `meta` holds; DeepGEMM's own schedule of
+    `lens` comes back unchanged.
+
+    The kernel (sm90_fp8_paged_mqa_logits.cuh with its scheduler, DeepGEMM 2.5) starts SM s at
+    the (row, 256-token split) meta[s] and walks splits in row-major order, one task per split
+    and at least one per row, until it reaches meta[s + 1] exactly; it writes logits columns
+    [256 y, 256 y + 256) of a task unguarded, and reads context_lens at its start row. So the
+    entries are rounded up into the tasks that exist, made non-decreasing, the first at the
+    first non-empty row, the starts below row B and the sentinel (B, 0): every task is then
+    walked exactly once, by some SM, and nothing past a row's splits or the batch is touched.
+    Each task's result depends on its row and blocks alone: the logits are bitwise the same."""
+    b = lens.shape[0]
+    k = contracts.cdiv(limit, SPLIT_KV) + 1          # splits per row, as a key's radix
+    assert (b + 1) * k < 2 ** 31, "paged schedule key overflows int32"
+    tasks = jnp.maximum((lens + SPLIT_KV - 1) // SPLIT_KV, 1)   # >= 1 a row
+    q = jnp.clip(meta[:, 0], 0, b)
+    y = jnp.maximum(meta[:, 1], 0)
+    over = y >= jnp.where(q < b, tasks[jnp.minimum(q, b - 1)], 1)
+    key = jnp.where(over, jnp.minimum(q + 1, b) * k, q * k + y)      # past a row: the next one
+    first = jnp.where(jnp.any(lens > 0), jnp.argmax(lens > 0), b - 1).astype(jnp.int32)
+    key = jnp.minimum(key.at[0].set(first * k), (b - 1) * k + tasks[b - 1] - 1).at[-1].set(b * k)
+    key = jax.lax.cummax(key)
+    return jnp.stack([key // k, key % k], axis=1).astype(jnp.int32)
+
+
 def split_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False, value_dtype=jnp.float8_e4m3fn):
     """uint8 [num_blocks, block, 1, D + 4] in DeepGEMM's block layout (each block: its tokens'
     D-byte rows, then their 4-byte scales) -> (values [num_blocks, block, D] of `value_dtype`,

@@ -18,6 +18,7 @@ import torch
 
 from tests import own_kernels_oracle as torch_emu   # the plain-torch specification
 from jax_dg.core import native
+from jax_dg.reference import paged_mqa as ref_paged
 from jax_dg.reference import topk as ref_topk
 
 I32 = jnp.int32
@@ -289,6 +290,68 @@ def test_zero_padding_rows_matches_the_torch_specification_bitwise(skip, dtype, 
     np.testing.assert_array_equal(bits(args[0]), bits(d))
 
 
+# --- paged_sanitise: against the pure-JAX reference (reference.paged_mqa.paged_sanitised) --------
+
+INT_MAX = np.iinfo(np.int32).max
+
+
+def sanitise_case(b: int, w: int, next_n: int, blk: int, one_d: bool, schedule: str, seed: int,
+                  slots: int | None = None):
+    """(args, statics) of one paged_sanitise call: tables mostly in range with out-of-range
+    entries (-1, INT_MIN, num_blocks, INT_MAX) sprinkled in, lengths from INT_MIN to past the
+    limit, and no schedule, DeepGEMM's own, one made for longer rows, or noise."""
+    rng = np.random.default_rng(seed)
+    nb = int(rng.integers(1, 2 * b * w + 2))
+    limit = w * blk if rng.random() < 0.5 else int(rng.integers(0, w * blk + 1))
+    table = rng.integers(0, nb, (b, w)).astype(np.int32)
+    bad = rng.random((b, w)) < 0.03
+    table[bad] = rng.choice(np.array([-1, INT_MIN, nb, nb + 7, INT_MAX], np.int64), bad.sum())
+    last = rng.integers(-3 * blk, limit + 3 * blk + 1, b)
+    last[rng.random(b) < 0.1] = 0
+    extreme = rng.random(b) < 0.05
+    last[extreme] = rng.choice(np.array([INT_MIN, INT_MAX, INT_MIN + 1], np.int64), extreme.sum())
+    last = last.astype(np.int32)
+    if one_d:
+        lens = last
+    else:
+        lens = last[:, None] - rng.integers(-2, 3 * next_n, (b, next_n)).astype(np.int32)
+        lens[:, -1] = last
+    static = dict(next_n=next_n, num_blocks=nb, block_size=blk, limit=limit, zero_unused=blk == 32)
+    slots = int(rng.choice([7, 132])) if slots is None else slots
+    clipped = jnp.asarray(np.clip(last, 0, limit)[:, None])
+    meta = {"none": None,
+            "own": ref_paged.paged_mqa_logits_metadata(clipped, num_sms=slots),
+            "longer": ref_paged.paged_mqa_logits_metadata(clipped + 3 * blk, num_sms=slots),
+            "noise": jnp.asarray(rng.choice(np.array([INT_MIN, -5, 0, 1, 3, b - 1, b, b + 3, INT_MAX],
+                                                     np.int64), (slots + 1, 2)).astype(np.int32)),
+            }[schedule]
+    return (jnp.asarray(lens), jnp.asarray(table), meta), static
+
+
+SANITISE = [(1, 1, 1, 64), (5, 3, 2, 32), (33, 8, 1, 32), (40, 17, 4, 64), (200, 64, 2, 64),
+            (64, 129, 1, 32)]
+
+
+@pytest.mark.parametrize("shape", SANITISE, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("one_d", [True, False], ids=["1d", "2d"])
+@pytest.mark.parametrize("schedule", ["none", "own", "longer", "noise"])
+def test_paged_sanitise_matches_the_reference_bitwise(shape, one_d, schedule):
+    b, w, next_n, blk = shape
+    for trial in range(3):
+        args, static = sanitise_case(b, w, next_n, blk, one_d, schedule, seed_of(shape, one_d, schedule, trial))
+        got = on(cpu(), lambda *a: native.paged_sanitise(*a, **static), *args)
+        want = on(cpu(), lambda *a: ref_paged.paged_sanitised(*a, **static), *args)
+        for name, g, r in zip(("ctx", "table", "schedule"), got, want):
+            assert (g is None) == (r is None), name
+            if g is not None:
+                np.testing.assert_array_equal(g, r, err_msg=f"{name} {static} trial {trial}")
+        if schedule == "own":   # DeepGEMM's own schedule of unchanged lengths comes back as it was
+            same = np.array_equal(got[0][:, -1], np.clip(np.asarray(args[0]).reshape(b, -1)[:, -1], 0,
+                                                         static["limit"]))
+            if same:
+                np.testing.assert_array_equal(got[2], np.asarray(args[2]))
+
+
 # --- in place, counted, errors ------------------------------------------------------------------
 
 def entry(hlo: str) -> str:
@@ -358,7 +421,8 @@ def test_module_facts():
         assert "cpu" in platforms and ("CUDA" in platforms) == native.cuda_built()
 
 
-@pytest.mark.parametrize("bad", ["k", "cols", "rows", "lo", "row_bytes", "block", "dtype"])
+@pytest.mark.parametrize("bad", ["k", "cols", "rows", "lo", "row_bytes", "block", "dtype", "limit",
+                                 "schedule"])
 def test_bad_calls_are_xla_errors_not_crashes(bad):
     calls = {
         "k": (lambda x, i: native.topk(x, None, None, k=4097, cols=8, sorted=True), "k = 4097 > 4096"),
@@ -372,6 +436,12 @@ def test_bad_calls_are_xla_errors_not_crashes(bad):
                   "block = 0"),
         "dtype": (lambda x, i: native.neg_inf_outside(x.astype(jnp.float16), None, i, rows=4, cols=8,
                                                       relative=False), "float32 or bfloat16"),
+        "limit": (lambda x, i: native.paged_sanitise(i, i.reshape(4, 1), None, next_n=1, num_blocks=4,
+                                                     block_size=64, limit=65, zero_unused=False),
+                  "limit = 65 outside [0, max_blocks * block_size = 64]"),
+        "schedule": (lambda x, i: native.paged_sanitise(i, i.reshape(4, 1), i, next_n=1, num_blocks=4,
+                                                        block_size=64, limit=64, zero_unused=False),
+                     "must both be [S + 1 >= 1, 2]"),
     }
     fn, message = calls[bad]
     args = put((jnp.zeros((4, 8), jnp.float32), jnp.ones((4,), I32)), cpu())
@@ -451,6 +521,25 @@ def test_gpu_zero_padding_rows_equals_the_cpu_handler(skip, m, n, block):
     np.testing.assert_array_equal(bits(on(gpu(), fn, d, layout)), bits(on(cpu(), fn, d, layout)))
 
 
+GPU_SANITISE = [(64, 128, 1, 64), (256, 512, 2, 64), (1000, 2561, 1, 32), (3, 5, 4, 32), (256, 512, 2, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SANITISE, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("one_d", [True, False], ids=["1d", "2d"])
+@pytest.mark.parametrize("schedule", ["none", "own", "longer", "noise"])
+def test_gpu_paged_sanitise_equals_the_cpu_handler(shape, one_d, schedule):
+    b, w, next_n, blk = shape
+    args, static = sanitise_case(b, w, next_n, blk, one_d, schedule, seed_of(shape, one_d, schedule))
+    fn = lambda *a: native.paged_sanitise(*a, **static)   # noqa: E731
+    want = on(cpu(), fn, *args)
+    for _ in range(3):   # repeated calls: the same bits
+        got = on(gpu(), fn, *args)
+        for name, g, r in zip(("ctx", "table", "schedule"), got, want):
+            if r is not None:
+                np.testing.assert_array_equal(g, r, err_msg=f"{name}: CUDA != CPU")
+
+
 @pytest.mark.gpu
 def test_gpu_errors_are_xla_errors():
     x = jax.device_put(jnp.zeros((4, 8), jnp.float32), gpu())
@@ -473,17 +562,26 @@ def _capture_inputs(i: int):
     masked_m = jnp.asarray([100, 0, 128, 7], I32)
     layout = jnp.asarray(rng.integers(-1, 4, 512).astype(np.int32))
     p = jnp.asarray(filled((512, 256), jnp.bfloat16, 3, nan=False)) * (1 + i)
-    return x, lo, hi, d, masked_m, layout, p
+    paged_args, _ = sanitise_case(*CAPTURED_SANITISE, seed=i, slots=132)
+    return x, lo, hi, d, masked_m, layout, p, paged_args
+
+
+CAPTURED_SANITISE = (64, 128, 2, 32, False, "longer")   # one shape; values from the step's seed
+
+
+def captured_sanitise(args):
+    return native.paged_sanitise(*args, **sanitise_case(*CAPTURED_SANITISE, seed=0, slots=132)[1])
 
 
 def _capture_step(inputs):
     out = []
-    for j, (x, lo, hi, d, masked_m, layout, p) in enumerate(inputs):
+    for j, (x, lo, hi, d, masked_m, layout, p, paged_args) in enumerate(inputs):
         out.append(native.topk(x, lo, hi, k=512 + j, cols=8192, sorted=j % 2 == 0))
         out.append(native.topk(x, None, hi, k=2048, cols=8000, sorted=False))
         out.append(native.neg_inf_outside(x * 2, lo, hi, rows=256, cols=8192, relative=j % 2 == 1))
         out.append(native.zero_masked_tail(d * 1, masked_m))
         out.append(native.zero_padding_rows(p * 1, layout, block=128, skip_padding_blocks=j % 2 == 0))
+        out.extend(captured_sanitise(paged_args))
     return out
 
 
@@ -497,7 +595,8 @@ def test_gpu_captured_replays_call_no_handler_and_equal_the_cpu():
             (lambda x, lo, hi, *_: native.topk(x, None, hi, k=2048, cols=8000, sorted=False)),
             (lambda x, lo, hi, *_: native.neg_inf_outside(x, lo, hi, rows=256, cols=8192, relative=False)),
             (lambda x, lo, hi, d, masked_m, *_: native.zero_masked_tail(d, masked_m)),
-            (lambda *a: native.zero_padding_rows(a[6], a[5], block=128, skip_padding_blocks=True))]
+            (lambda *a: native.zero_padding_rows(a[6], a[5], block=128, skip_padding_blocks=True)),
+            (lambda *a: captured_sanitise(a[7]))]
     for fn in warm:
         jax.block_until_ready(jax.jit(fn)(*inputs[0]))
     step = jax.jit(_capture_step)

@@ -14,6 +14,7 @@ import jax_dg
 from jax_dg.operands import paged
 from jax_dg.core import device
 from jax_dg.ops import paged_mqa as ops
+from jax_dg.reference import paged_mqa as ref
 from tests.conftest import digest, on_deep_gemm, same_bits, to_torch
 from tests.conftest import run as run_jit
 
@@ -267,7 +268,7 @@ def walk(meta, lens, split_kv=256):
 
 
 def test_a_given_schedule_is_bounded_and_deep_gemms_own_is_unchanged():
-    """ops.bounded_schedule (what a caller's schedule goes through on SM90): DeepGEMM's schedule
+    """ref.bounded_schedule (what a caller's schedule goes through on SM90): DeepGEMM's schedule
     of the lengths comes back bitwise; any other (made for longer rows, random) is walked within
     bounds, every task exactly once."""
     rng = np.random.default_rng(0)
@@ -277,13 +278,13 @@ def test_a_given_schedule_is_bounded_and_deep_gemms_own_is_unchanged():
         lens = rng.integers(0, limit + 1, b) * (rng.random(b) > 0.2)
         lens = np.minimum(lens, limit).astype(np.int32)
         own = numpy_metadata(lens[:, None], slots)
-        fixed = np.asarray(ops.bounded_schedule(jnp.asarray(own), jnp.asarray(lens), limit))
+        fixed = np.asarray(ref.bounded_schedule(jnp.asarray(own), jnp.asarray(lens), limit))
         np.testing.assert_array_equal(fixed, own)
         walked = walk(own, lens)
         longer = numpy_metadata((lens + rng.integers(0, 4 * limit, b))[:, None].astype(np.int32), slots)
         noise = rng.integers(-3, b + 4, (slots + 1, 2)).astype(np.int32)
         for given in (longer, noise):
-            got = walk(np.asarray(ops.bounded_schedule(jnp.asarray(given), jnp.asarray(lens), limit)), lens)
+            got = walk(np.asarray(ref.bounded_schedule(jnp.asarray(given), jnp.asarray(lens), limit)), lens)
             assert sorted(got) == sorted(walked) and len(set(got)) == len(got), trial
 
 
