@@ -64,7 +64,7 @@ def test_a_function_runs_as_its_least_capable_op(monkeypatch):
     monkeypatch.setattr(native, "cuda_built", lambda: True)   # as on a GPU install
     mode, how, names = cli.function_status(jax_dg.paged_mqa_logits, "gpu", "sm100", "torch")
     assert mode == "reference" and set(names) == {"fp8_fp4_paged_mqa_logits",
-                                                  "get_paged_mqa_logits_metadata"}
+                                                  "get_paged_mqa_logits_metadata", "paged_sanitise"}
     assert cli.function_status(jax_dg.fp8_gemm_tn, "gpu", "sm90", "auto")[0] == "raises"
 
 

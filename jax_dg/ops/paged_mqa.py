@@ -475,7 +475,7 @@ PAGED_SANITISE = Op(
 )
 
 
-@exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
+@exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA, PAGED_SANITISE)
 def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                              max_model_len, indices=None, *, clean_logits: bool = True,
                              logits_dtype=jnp.float32) -> jax.Array:
@@ -508,7 +508,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
                          logits_dtype)
 
 
-@exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA)
+@exposes(PAGED_MQA_LOGITS, GET_PAGED_MQA_LOGITS_METADATA, PAGED_SANITISE)
 def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, *, max_model_len=None,
                      schedule_metadata=None, indices=None, clean_logits: bool = True,
                      logits_dtype=jnp.float32) -> jax.Array:

@@ -268,7 +268,7 @@ PAGED_INDEXER_TOPK = composed(
 )
 
 
-@exposes(PAGED_INDEXER_TOPK)
+@exposes(PAGED_INDEXER_TOPK, paged_mqa.PAGED_SANITISE)
 def paged_indexer_topk(q, kv_cache, weights, context_lens, block_tables, k: int, *,
                        max_model_len=None, schedule_metadata=None, indices=None,
                        sorted: bool = True) -> jax.Array:
