@@ -81,7 +81,8 @@ struct SelectShared {
   // this one, so it shares no memory with the sort.
   float4 stage[kThreads * kItems / 4];   // a warp's coalesced loads, handed out per lane
   typename SortOf<kSortItems>::TempStorage sort;
-  uint32_t hist[2][kBins];   // two, alternating by pass: peers may still read the last one
+  alignas(16) uint32_t hist[2][kBins];   // two, alternating by pass: peers may still read the last one
+                                         // (16-byte aligned: a thread reads its 4 bins at once)
   typename Scan::TempStorage scan;
   uint32_t cta_total;        // packed (above | equal << 16) of this CTA, read by later ranks
   int bin, above, count;     // FindBin's result, written by one thread
@@ -118,6 +119,19 @@ __device__ __forceinline__ T* InRank(T* p, int rank) {
   }
 }
 
+// A thread's kBinsPerThread (4) bins, highest first: bins kBins - 1 - 4 tid - j, read as one
+// 16-byte load (4 scalar loads at a lane stride of 4 words conflict 4-way in shared memory).
+static_assert(kBinsPerThread == 4, "a thread's bins are one uint4");
+__device__ __forceinline__ uint4& BinsOf(uint32_t* hist, int tid) {
+  return *reinterpret_cast<uint4*>(hist + kBins - kBinsPerThread * (tid + 1));
+}
+__device__ __forceinline__ void Unpack(const uint4& v, uint32_t (&c)[kBinsPerThread]) {
+  c[0] = v.w;
+  c[1] = v.z;
+  c[2] = v.y;
+  c[3] = v.x;
+}
+
 struct Found {
   uint32_t total;   // candidates counted
   int bin, above, count;   // the bin of the need-th largest, the count above it and in it
@@ -133,14 +147,14 @@ __device__ __forceinline__ Found FindBin(S& sh, uint32_t* hist, int need, int ra
   const int tid = threadIdx.x;
   Sync<kCluster>();   // every CTA's histogram is complete
   uint32_t c[kBinsPerThread], sum = 0;   // this thread's bins, highest first
-#pragma unroll
-  for (int j = 0; j < kBinsPerThread; ++j) c[j] = hist[kBins - 1 - (tid * kBinsPerThread + j)];
+  Unpack(BinsOf(hist, tid), c);
   if constexpr (kCluster > 1) {
 #pragma unroll 1
     for (int r = 1; r < kCluster; ++r) {
-      const uint32_t* h = cg::this_cluster().map_shared_rank(hist, (rank + r) % kCluster);
+      uint32_t d[kBinsPerThread];
+      Unpack(BinsOf(cg::this_cluster().map_shared_rank(hist, (rank + r) % kCluster), tid), d);
 #pragma unroll
-      for (int j = 0; j < kBinsPerThread; ++j) c[j] += h[kBins - 1 - (tid * kBinsPerThread + j)];
+      for (int j = 0; j < kBinsPerThread; ++j) c[j] += d[j];
     }
   }
   if (first && tid == kThreads - 1) c[kBinsPerThread - 1] = 0;   // bin 0
@@ -261,19 +275,21 @@ __device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int en
   __syncthreads();
   // bucket starts, highest bucket first; and whether one is too full
   uint32_t c[kBinsPerThread], sum = 0, most = 0;
+  Unpack(BinsOf(count, tid), c);
 #pragma unroll
   for (int j = 0; j < kBinsPerThread; ++j) {
-    c[j] = count[kBins - 1 - (tid * kBinsPerThread + j)];
     sum += c[j];
     most = max(most, c[j]);
   }
   uint32_t before, total;
   Scan(sh.scan).ExclusiveSum(sum, before, total);
+  uint32_t b[kBinsPerThread];
 #pragma unroll
   for (int j = 0; j < kBinsPerThread; ++j) {
-    start[kBins - 1 - (tid * kBinsPerThread + j)] = before;
+    b[j] = before;
     before += c[j];
   }
+  BinsOf(start, tid) = make_uint4(b[3], b[2], b[1], b[0]);
   if (__syncthreads_or(most > kMaxBucket)) return false;
   uint32_t key[kSortItems];
   int col[kSortItems];
