@@ -84,7 +84,7 @@ def case(b, ctx, next_n):
 
 
 def main():
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, deep_gemm {deep_gemm.__version__}")
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, deep_gemm {getattr(deep_gemm, '__version__', '?')}")
     for shape in ((64, 8192, 1), (256, 8192, 2)):
         case(*shape)
 

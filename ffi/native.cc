@@ -438,7 +438,8 @@ ffi::Error PlanSanitise(ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32, 2> tab
     return Invalid(name, "block_size = " + std::to_string(block_size) + ", num_blocks = " +
                              std::to_string(num_blocks));
   }
-  if (!FitsInt(limit + block_size) || limit > width * block_size) {   // ceil(limit / bs) in int
+  // limit + 2 * kSplit fits: the kernel's ceil(limit / block_size) and ceil(len / kSplit)
+  if (limit < 0 || limit > width * block_size || !FitsInt(limit + 2 * kSplit + block_size)) {
     return Invalid(name, "limit = " + std::to_string(limit) + " outside [0, max_blocks * "
                              "block_size = " + std::to_string(width * block_size) + "]");
   }

@@ -283,13 +283,13 @@ __device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int en
   }
   uint32_t before, total;
   Scan(sh.scan).ExclusiveSum(sum, before, total);
-  uint32_t b[kBinsPerThread];
+  uint32_t first[kBinsPerThread];   // this thread's buckets' starts, highest bucket first
 #pragma unroll
   for (int j = 0; j < kBinsPerThread; ++j) {
-    b[j] = before;
+    first[j] = before;
     before += c[j];
   }
-  BinsOf(start, tid) = make_uint4(b[3], b[2], b[1], b[0]);
+  BinsOf(start, tid) = make_uint4(first[3], first[2], first[1], first[0]);
   if (__syncthreads_or(most > kMaxBucket)) return false;
   uint32_t key[kSortItems];
   int col[kSortItems];

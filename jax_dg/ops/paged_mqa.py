@@ -31,8 +31,8 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
 - With `schedule_metadata=None` the call computes the schedule of the sanitised lengths itself
   (DeepGEMM's metadata kernel, on the same stream; per shard when sharded over requests). A
   caller-supplied schedule must come from the same context_lens (as with DeepGEMM); it is
-  bounded to the sanitised lengths in the same kernel (the identity on DeepGEMM's own
-  schedule; SM90, next_n <= 2), since one made for longer rows would send the kernel past
+  bounded to the sanitised lengths in the same call (a second launch; the identity on
+  DeepGEMM's own schedule; SM90, next_n <= 2), since one made for longer rows would send the kernel past
   them; elsewhere (varlen, next_n 4), where sanitising changed a length, it is replaced by
   the schedule of the sanitised lengths (DeepGEMM's algorithm in XLA, bit-exact). Checked mode
   also verifies that it is the schedule of context_lens.
@@ -355,15 +355,23 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
     # Lengths, block table and a given schedule as the kernel reads them: every address in
     # range, whatever the values (one native kernel; checked mode raises instead)
     limit = min(max_model_len, width * blk)
+    ck.that(limit <= contracts.MAX_PAGED_LIMIT, "max_model_len",
+            f"must be <= {contracts.MAX_PAGED_LIMIT} tokens, or max_blocks * block_size", limit)
     raw = context_lens if context_lens.ndim == 1 else context_lens[:, -1]
     given = jnp.maximum(raw, 0)[:, None]
     if values.checking():
         _require_in_range(name, given, block_tables, nb, blk, limit)
     bounded = schedule_metadata is not None and indices is None and next_n <= 2 and _walk_known()
-    ctx, block_tables, *fixed = PAGED_SANITISE(
-        context_lens, block_tables, schedule_metadata if bounded else None, next_n=next_n,
-        num_blocks=nb, block_size=blk, limit=limit, zero_unused=blk == 32,
-        one_d=context_lens.ndim == 1)
+    if bounded:   # the schedule's keys (row, split) count in int32
+        ck.that((b + 1) * (contracts.cdiv(limit, contracts.SPLIT_KV) + 1) < 2 ** 31, "schedule_metadata",
+                "cannot be bounded: B * max_model_len / 256 overflows int32 (pass None)", (b, limit))
+    static = dict(next_n=next_n, num_blocks=nb, block_size=blk, limit=limit, zero_unused=blk == 32)
+    sched = schedule_metadata if bounded else None
+    if next_n <= contracts.SANITISE_MAX_NEXT_N:
+        ctx, block_tables, *fixed = PAGED_SANITISE(context_lens, block_tables, sched,
+                                                   one_d=context_lens.ndim == 1, **static)
+    else:   # more rows a request than the kernel takes (SM100/SM120): the same selects in XLA
+        ctx, block_tables, *fixed = PAGED_SANITISE.reference(context_lens, block_tables, sched, **static)
     if indices is not None:   # request ids of the varlen form: addresses too
         values.require(name, "indices", (indices >= 0) & (indices < b), f"must lie in [0, B = {b})",
                        indices)
@@ -422,9 +430,9 @@ def _walk_known() -> bool:
 
 def _sanitise_shapes(context_lens, block_tables, schedule_metadata, *, next_n, num_blocks,
                      block_size, limit, zero_unused, one_d):
-    b, w = block_tables.shape
-    assert 0 <= limit <= w * block_size and limit + block_size < 2 ** 31, (limit, w, block_size)
-    assert context_lens.ndim == (1 if one_d else 2), (context_lens.shape, one_d)
+    b, w = block_tables.shape   # the caller (paged_arguments) checked these
+    assert 0 <= limit <= min(w * block_size, contracts.MAX_PAGED_LIMIT), (limit, w, block_size)
+    assert next_n <= contracts.SANITISE_MAX_NEXT_N and context_lens.ndim == (1 if one_d else 2)
     out = [jax.ShapeDtypeStruct((b, next_n), I32),
            jax.ShapeDtypeStruct((b, w + w % 2 if zero_unused else w), I32)]
     return out + ([jax.ShapeDtypeStruct(schedule_metadata.shape, I32)]

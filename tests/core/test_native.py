@@ -334,11 +334,13 @@ SANITISE = [(1, 1, 1, 64), (5, 3, 2, 32), (33, 8, 1, 32), (40, 17, 4, 64), (200,
 
 @pytest.mark.parametrize("shape", SANITISE, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("one_d", [True, False], ids=["1d", "2d"])
-@pytest.mark.parametrize("schedule", ["none", "own", "longer", "noise"])
+@pytest.mark.parametrize("schedule", ["none", "own", "longer", "noise", "noise600"])
 def test_paged_sanitise_matches_the_reference_bitwise(shape, one_d, schedule):
     b, w, next_n, blk = shape
+    slots = 600 if schedule == "noise600" else None
     for trial in range(3):
-        args, static = sanitise_case(b, w, next_n, blk, one_d, schedule, seed_of(shape, one_d, schedule, trial))
+        args, static = sanitise_case(b, w, next_n, blk, one_d, schedule.rstrip("0123456789"),
+                                     seed_of(shape, one_d, schedule, trial), slots=slots)
         got = on(cpu(), lambda *a: native.paged_sanitise(*a, **static), *args)
         want = on(cpu(), lambda *a: ref_paged.paged_sanitised(*a, **static), *args)
         for name, g, r in zip(("ctx", "table", "schedule"), got, want):
@@ -422,7 +424,7 @@ def test_module_facts():
 
 
 @pytest.mark.parametrize("bad", ["k", "cols", "rows", "lo", "row_bytes", "block", "dtype", "limit",
-                                 "schedule"])
+                                 "negative_limit", "schedule"])
 def test_bad_calls_are_xla_errors_not_crashes(bad):
     calls = {
         "k": (lambda x, i: native.topk(x, None, None, k=4097, cols=8, sorted=True), "k = 4097 > 4096"),
@@ -439,6 +441,9 @@ def test_bad_calls_are_xla_errors_not_crashes(bad):
         "limit": (lambda x, i: native.paged_sanitise(i, i.reshape(4, 1), None, next_n=1, num_blocks=4,
                                                      block_size=64, limit=65, zero_unused=False),
                   "limit = 65 outside [0, max_blocks * block_size = 64]"),
+        "negative_limit": (lambda x, i: native.paged_sanitise(i, i.reshape(4, 1), None, next_n=1,
+                                                              num_blocks=4, block_size=64, limit=-1,
+                                                              zero_unused=False), "limit = -1 outside"),
         "schedule": (lambda x, i: native.paged_sanitise(i, i.reshape(4, 1), i, next_n=1, num_blocks=4,
                                                         block_size=64, limit=64, zero_unused=False),
                      "must both be [S + 1 >= 1, 2]"),
@@ -527,10 +532,14 @@ GPU_SANITISE = [(64, 128, 1, 64), (256, 512, 2, 64), (1000, 2561, 1, 32), (3, 5,
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SANITISE, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("one_d", [True, False], ids=["1d", "2d"])
-@pytest.mark.parametrize("schedule", ["none", "own", "longer", "noise"])
+@pytest.mark.parametrize("schedule", ["none", "own", "longer", "noise", "noise600", "own300"])
 def test_gpu_paged_sanitise_equals_the_cpu_handler(shape, one_d, schedule):
+    """Also schedules of 301 and 601 entries: FixSchedule scans them in chunks of 256 with a
+    running maximum carried across."""
     b, w, next_n, blk = shape
-    args, static = sanitise_case(b, w, next_n, blk, one_d, schedule, seed_of(shape, one_d, schedule))
+    slots = {"noise600": 600, "own300": 300}.get(schedule)
+    args, static = sanitise_case(b, w, next_n, blk, one_d, schedule.rstrip("0123456789"),
+                                 seed_of(shape, one_d, schedule), slots=slots)
     fn = lambda *a: native.paged_sanitise(*a, **static)   # noqa: E731
     want = on(cpu(), fn, *args)
     for _ in range(3):   # repeated calls: the same bits

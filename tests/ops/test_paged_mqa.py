@@ -404,6 +404,43 @@ def test_mx_scales_on_an_emulated_sm100(monkeypatch):
     assert_logits_close(got, run("xla", f, q, cache, w, lens, table), lens_2d(ctx, 2))
 
 
+
+def test_more_rows_a_request_than_the_sanitising_kernel_takes(monkeypatch):
+    """next_n > 128 (SM100/SM120 take any next_n): the sanitising runs as XLA selects in place of
+    jax_dg's kernel (one thread a row), with the kernel's results (the reference's)."""
+    emulate(monkeypatch, "sm100")
+    from jax_dg import contracts
+    from jax_dg.core import native
+    next_n = contracts.SANITISE_MAX_NEXT_N + 2
+    q, cache, w, lens, table = make_case([300, 0], next_n, 32, 32, 64, two_d=False)
+    bad = np.asarray(table).copy()
+    bad[0, 2] = -1                       # request 0's context ends at token 128
+
+    def prepared(lens, table):
+        arrays, _ = ops.paged_arguments("t", (q, None), cache, w, lens, table, None, 320, None)
+        return arrays[4], arrays[5]       # the lengths and the table the kernel would read
+    args = (lens, jnp.asarray(bad))
+    assert native.TARGETS["paged_sanitise"] not in jax.jit(prepared).lower(*args).as_text()
+    got = jax.jit(prepared)(*args)
+    want = ref.paged_sanitised(*args, None, next_n=next_n, num_blocks=cache.shape[0], block_size=64,
+                               limit=320, zero_unused=False)[:2]
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    np.testing.assert_array_equal(np.asarray(got[0])[:, -1], [128, 0])
+
+
+def test_lengths_past_the_sanitising_bound_fail_at_trace_time():
+    """limit = min(max_model_len, max_blocks * block_size) must stay <= contracts.MAX_PAGED_LIMIT
+    (the kernel counts 256-token splits in int32): shapes only, nothing allocated."""
+    from jax_dg import contracts
+    blocks = contracts.MAX_PAGED_LIMIT // 64 + 1
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 1, 32, 32), FP8), s((4, 64, 1, 36), jnp.uint8), s((1, 32), jnp.float32),
+            s((1,), jnp.int32), s((1, blocks), jnp.int32))
+    with pytest.raises(jax_dg.ArgumentError, match="`max_model_len`"):
+        jax.eval_shape(lambda *a: jax_dg.paged_mqa_logits(*a), *args)
+    jax.eval_shape(lambda *a: jax_dg.paged_mqa_logits(*a, max_model_len=4096), *args)   # a bound: fine
+
 # --- paged sparse (SM100 kernels; references here) ---------------------------------------------
 
 def sparse_case(fp4=False, h=16, sbk=16, nmsb=8, page_kv=128):
