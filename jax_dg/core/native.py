@@ -128,12 +128,12 @@ def paged_sanitise(context_lens, block_tables, schedule, *, next_n: int, num_blo
     (not bounded). W' = W rounded up to even with zero_unused, else W. limit <= W * block_size."""
     b, w = block_tables.shape
     width = w + w % 2 if zero_unused else w
-    fix = schedule is not None
+    schedule, fix = _optional(schedule)   # absent: [0] in, [0] out
     types = (jax.ShapeDtypeStruct((b, int(next_n)), jnp.int32),
              jax.ShapeDtypeStruct((b, width), jnp.int32),
-             jax.ShapeDtypeStruct(schedule.shape if fix else (0,), jnp.int32))
+             jax.ShapeDtypeStruct(schedule.shape, jnp.int32))
     call = jax.ffi.ffi_call(TARGETS["paged_sanitise"], types, vmap_method="sequential")
-    ctx, table, fixed = call(context_lens, block_tables, schedule if fix else jnp.zeros((0,), jnp.int32),
-                             num_blocks=int(num_blocks), block_size=int(block_size), limit=int(limit),
+    ctx, table, fixed = call(context_lens, block_tables, schedule, num_blocks=int(num_blocks),
+                             block_size=int(block_size), limit=int(limit),
                              zero_unused=bool(zero_unused), fix_schedule=fix)
     return ctx, table, fixed if fix else None

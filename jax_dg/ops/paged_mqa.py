@@ -32,8 +32,8 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
   (DeepGEMM's metadata kernel, on the same stream; per shard when sharded over requests). A
   caller-supplied schedule must come from the same context_lens (as with DeepGEMM); it is
   bounded to the sanitised lengths in the same call (a second launch; the identity on
-  DeepGEMM's own schedule; SM90, next_n <= 2), since one made for longer rows would send the kernel past
-  them; elsewhere (varlen, next_n 4), where sanitising changed a length, it is replaced by
+  DeepGEMM's own schedule; SM90, next_n <= 2), since one made for longer rows would send the
+  kernel past them; elsewhere (varlen, next_n 4), where sanitising changed a length, it is replaced by
   the schedule of the sanitised lengths (DeepGEMM's algorithm in XLA, bit-exact). Checked mode
   also verifies that it is the schedule of context_lens.
 JAX arrays are always contiguous: torch's concern about block tables whose last stride is not
