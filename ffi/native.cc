@@ -60,7 +60,6 @@ using namespace jax_dg_native;   // NOLINT: the shared helpers
 namespace {
 
 constexpr int kMaxK = 4096;   // kernels/topk.cu's limit (JaxDgTopkMaxK), the CPU's too
-constexpr int kMaxNextN = 128;   // kernels/paged_sanitise.cu writes a request's lengths a thread each
 
 // Element types stored one or more whole bytes per element (the zero kernels write bytes).
 bool WholeBytes(ffi::DataType t) {
@@ -426,9 +425,8 @@ ffi::Error PlanSanitise(ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32, 2> tab
     return Invalid(name, "context_lens " + Dims(ld) + " must be [B] or [B, next_n] for ctx " +
                              Dims(cd) + " and block_tables " + Dims(td));
   }
-  if (cd[0] != rows || next_n < 1 || next_n > kMaxNextN) {
-    return Invalid(name, "ctx " + Dims(cd) + " must be [B, next_n] with next_n in [1, " +
-                             std::to_string(kMaxNextN) + "]");
+  if (cd[0] != rows || next_n < 1 || !FitsInt(next_n)) {
+    return Invalid(name, "ctx " + Dims(cd) + " must be [B, next_n >= 1]");
   }
   if (od[0] != rows || od[1] < width || !FitsInt(od[1])) {
     return Invalid(name, "the table result " + Dims(od) + " must be [B, >= " +

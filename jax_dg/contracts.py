@@ -134,10 +134,8 @@ SPLIT_KV = 256             # tokens per schedule split (SM90 paged kernel)
 # splits in int32 (DeepGEMM's kernel and the pure-JAX reference), which lengths near 2**31
 # overflow; 2**24 tokens keeps the sum exact for up to 2**15 requests of that length.
 MAX_CONTEXT_LEN = 1 << 24
-# jax_dg's sanitising kernel (kernels/paged_sanitise.cu): a thread writes each of a request's
-# next_n lengths (more rows a request, SM100/SM120 only, take the same in XLA), and the lengths
-# it bounds (min(max_model_len, max_blocks * block_size)) keep ceil(len / SPLIT_KV) in int32.
-SANITISE_MAX_NEXT_N = 128
+# jax_dg's sanitising kernel (kernels/paged_sanitise.cu): the lengths it bounds
+# (min(max_model_len, max_blocks * block_size)) keep ceil(len / SPLIT_KV) in int32.
 MAX_PAGED_LIMIT = 1 << 30
 MX_HEAD_DIM = 128          # MX scales: four UE8M0 bytes (one int32) per row, one per 32 elements
 # The paged FP8 key cache, uint8 [num_blocks, block_size, 1, D + KV_SCALE_BYTES]: each block

@@ -12,7 +12,7 @@
 // FixSchedule (one CTA, after it on the stream) bounds a caller's schedule [S + 1, 2] to the
 // sanitised lengths, reading only `ctx`: jax_dg.reference.paged_mqa.bounded_schedule, which
 // documents why (the identity on DeepGEMM's own schedule of those lengths).
-// next_n <= 128 (a thread writes each of a request's lengths). Only int32 loads and stores of
+// Any next_n (a request's lengths are written kRowThreads at a time). Only int32 loads and stores of
 // the given arrays; no allocation, one or two launches on the given stream, the same on every
 // call (capture-safe).
 
@@ -68,8 +68,7 @@ __global__ void __launch_bounds__(kRowThreads) SanitiseRows(Rows p) {
   __syncthreads();
   const int64_t cut = static_cast<int64_t>(first_bad) * p.block_size;
   const int last = cut < given ? static_cast<int>(cut) : given;
-  if (threadIdx.x < p.next_n) {
-    const int j = threadIdx.x;
+  for (int j = threadIdx.x; j < p.next_n; j += kRowThreads) {
     const int len = j == p.next_n - 1 ? last : min(max(RowLength(p, b, j), 0), last);
     p.ctx[static_cast<int64_t>(b) * p.next_n + j] = len;
   }

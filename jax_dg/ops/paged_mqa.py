@@ -367,11 +367,8 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
                 "cannot be bounded: B * max_model_len / 256 overflows int32 (pass None)", (b, limit))
     static = dict(next_n=next_n, num_blocks=nb, block_size=blk, limit=limit, zero_unused=blk == 32)
     sched = schedule_metadata if bounded else None
-    if next_n <= contracts.SANITISE_MAX_NEXT_N:
-        ctx, block_tables, *fixed = PAGED_SANITISE(context_lens, block_tables, sched,
-                                                   one_d=context_lens.ndim == 1, **static)
-    else:   # more rows a request than the kernel takes (SM100/SM120): the same selects in XLA
-        ctx, block_tables, *fixed = PAGED_SANITISE.reference(context_lens, block_tables, sched, **static)
+    ctx, block_tables, *fixed = PAGED_SANITISE(context_lens, block_tables, sched,
+                                               one_d=context_lens.ndim == 1, **static)
     if indices is not None:   # request ids of the varlen form: addresses too
         values.require(name, "indices", (indices >= 0) & (indices < b), f"must lie in [0, B = {b})",
                        indices)
@@ -432,7 +429,7 @@ def _sanitise_shapes(context_lens, block_tables, schedule_metadata, *, next_n, n
                      block_size, limit, zero_unused, one_d):
     b, w = block_tables.shape   # the caller (paged_arguments) checked these
     assert 0 <= limit <= min(w * block_size, contracts.MAX_PAGED_LIMIT), (limit, w, block_size)
-    assert next_n <= contracts.SANITISE_MAX_NEXT_N and context_lens.ndim == (1 if one_d else 2)
+    assert context_lens.ndim == (1 if one_d else 2)
     out = [jax.ShapeDtypeStruct((b, next_n), I32),
            jax.ShapeDtypeStruct((b, w + w % 2 if zero_unused else w), I32)]
     return out + ([jax.ShapeDtypeStruct(schedule_metadata.shape, I32)]

@@ -329,7 +329,7 @@ def sanitise_case(b: int, w: int, next_n: int, blk: int, one_d: bool, schedule: 
 
 
 SANITISE = [(1, 1, 1, 64), (5, 3, 2, 32), (33, 8, 1, 32), (40, 17, 4, 64), (200, 64, 2, 64),
-            (64, 129, 1, 32)]
+            (64, 129, 1, 32), (3, 9, 300, 64)]
 
 
 @pytest.mark.parametrize("shape", SANITISE, ids=lambda s: "x".join(map(str, s)))
@@ -526,7 +526,8 @@ def test_gpu_zero_padding_rows_equals_the_cpu_handler(skip, m, n, block):
     np.testing.assert_array_equal(bits(on(gpu(), fn, d, layout)), bits(on(cpu(), fn, d, layout)))
 
 
-GPU_SANITISE = [(64, 128, 1, 64), (256, 512, 2, 64), (1000, 2561, 1, 32), (3, 5, 4, 32), (256, 512, 2, 32)]
+GPU_SANITISE = [(64, 128, 1, 64), (256, 512, 2, 64), (1000, 2561, 1, 32), (3, 5, 4, 32), (256, 512, 2, 32),
+                (7, 40, 130, 64), (4, 9, 300, 32)]   # next_n past a CTA's 128 threads
 
 
 @pytest.mark.gpu

@@ -405,13 +405,12 @@ def test_mx_scales_on_an_emulated_sm100(monkeypatch):
 
 
 
-def test_more_rows_a_request_than_the_sanitising_kernel_takes(monkeypatch):
-    """next_n > 128 (SM100/SM120 take any next_n): the sanitising runs as XLA selects in place of
-    jax_dg's kernel (one thread a row), with the kernel's results (the reference's)."""
+def test_more_rows_a_request_than_a_sanitising_cta_has_threads(monkeypatch):
+    """next_n > 128 (SM100/SM120 take any next_n): jax_dg's sanitising kernel (128 threads a
+    request) writes every row's length, as the reference does."""
     emulate(monkeypatch, "sm100")
-    from jax_dg import contracts
     from jax_dg.core import native
-    next_n = contracts.SANITISE_MAX_NEXT_N + 2
+    next_n = 130
     q, cache, w, lens, table = make_case([300, 0], next_n, 32, 32, 64, two_d=False)
     bad = np.asarray(table).copy()
     bad[0, 2] = -1                       # request 0's context ends at token 128
@@ -420,7 +419,7 @@ def test_more_rows_a_request_than_the_sanitising_kernel_takes(monkeypatch):
         arrays, _ = ops.paged_arguments("t", (q, None), cache, w, lens, table, None, 320, None)
         return arrays[4], arrays[5]       # the lengths and the table the kernel would read
     args = (lens, jnp.asarray(bad))
-    assert native.TARGETS["paged_sanitise"] not in jax.jit(prepared).lower(*args).as_text()
+    assert native.TARGETS["paged_sanitise"] in jax.jit(prepared).lower(*args).as_text()
     got = jax.jit(prepared)(*args)
     want = ref.paged_sanitised(*args, None, next_n=next_n, num_blocks=cache.shape[0], block_size=64,
                                limit=320, zero_unused=False)[:2]
