@@ -13,6 +13,8 @@
 //                             n persistent clusters, so a few rows still cross rows); <= 64 rows
 //                             are checked against the CPU
 //   /tmp/topk_shapes time ROWS COLS K SORTED [TIES]   one shape timed (and then the baseline)
+//   /tmp/topk_shapes phases ROWS COLS K SORTED   with -DTOPK_PHASES (kernel and harness): the
+//                             cycles a row's cluster spends in each phase, from its first thread
 //
 // With -DTOPK_BASELINE and a previous kernels/topk.cu compiled with its entry points renamed
 // (-DJaxDgTopkRows=BaselineTopkRows -DJaxDgTopkRowsShaped=BaselineTopkRowsShaped
@@ -35,6 +37,9 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
                                    int items, int cluster_size, int grid, cudaStream_t stream);
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+#ifdef TOPK_PHASES
+extern "C" int JaxDgTopkPhases(unsigned long long* host);
+#endif
 #ifdef TOPK_BASELINE
 extern "C" int BaselineTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                                 int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
@@ -151,6 +156,32 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+#ifdef TOPK_PHASES
+  if (argc > 5 && std::strcmp(argv[1], "phases") == 0) {
+    const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
+    const int sorted = std::atoi(argv[5]);
+    float* x;
+    int* out;
+    CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
+    CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
+    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, 0);
+    unsigned long long c[8];
+    CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+    CHECK(cudaDeviceSynchronize());
+    CHECK(JaxDgTopkPhases(c));   // zeroes them
+    for (int i = 0; i < 10; ++i) CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+    CHECK(cudaDeviceSynchronize());
+    CHECK(JaxDgTopkPhases(c));
+    const char* names[7] = {"load wait", "keys", "pass 0", "passes 1-2", "slots", "sort", "output"};
+    double all = 0;
+    for (int i = 0; i < 7; ++i) all += c[i];
+    std::printf("phases rows %d cols %d k %d sorted %d: %.0f cycles a row (%llu rows):", rows, cols, k, sorted,
+                all / c[7], c[7]);
+    for (int i = 0; i < 7; ++i) std::printf("  %s %.0f (%.0f%%)", names[i], double(c[i]) / c[7], 100.0 * c[i] / all);
+    std::printf("\n");
+    return 0;
+  }
+#endif
   if (argc > 5 && std::strcmp(argv[1], "time") == 0) {   // one shape: default (and baseline) us
     const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
     const int sorted = std::atoi(argv[5]);

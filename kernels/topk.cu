@@ -46,6 +46,24 @@ int JaxDgTopkLongRows(const float* logits, int64_t stride, const int* lo, const 
 
 namespace {
 
+// Per-phase cycle counts (benchmarks/topk_shapes.cu's `phases` mode): built with -DTOPK_PHASES,
+// the first thread of each cluster adds the cycles of each phase of each row it takes.
+#ifdef TOPK_PHASES
+__device__ unsigned long long g_topk_phases[8];   // [7]: rows
+#define TOPK_MARK(i)                                                             \
+  do {                                                                           \
+    if (threadIdx.x == 0 && rank == 0) {                                         \
+      const long long t_ = clock64();                                            \
+      atomicAdd(&g_topk_phases[i], static_cast<unsigned long long>(t_ - mark_)); \
+      mark_ = t_;                                                                \
+    }                                                                            \
+  } while (0)
+#else
+#define TOPK_MARK(i) \
+  do {               \
+  } while (0)
+#endif
+
 constexpr int kThreads = 512;
 constexpr int kBins = 2048;                 // 11-bit digits
 constexpr int kBinsPerThread = kBins / kThreads;
@@ -400,11 +418,15 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
 #pragma unroll 1
   for (; row < rows; row += clusters) {
     const int begin = next.begin, end = next.end;
+#ifdef TOPK_PHASES
+    long long mark_ = clock64();
+#endif
 
     // --- this thread's keys (0: not a candidate): columns first .. first + kItems - 1, each lane
     // taking its kItems consecutive ones from the warp's stage.
     CopyAsyncWait();
     __syncwarp();
+    TOPK_MARK(0);   // the row's logits arrived
     uint32_t key[kItems];
     // columns outside [begin, end) only where this thread's columns cross a bound
     const bool inside = first >= begin && first + kItems <= end;
@@ -425,6 +447,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
       next = RowRange(lo, hi, next_row, cols);
       StartLoad<kItems>(stage, logits + static_cast<int64_t>(next_row) * stride, next, seg, lane, vec);
     }
+    TOPK_MARK(1);   // keys made (and the next row's copies started)
 
     // --- radix select: the digits of the k-th largest key (11, 11, 10 bits) ------------------
     uint32_t prefix = 0, mask = 0;   // the digits found so far
@@ -450,6 +473,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         }
       }
       const Found f = FindBin<kCluster>(sh, hist, need, rank, pass == 0);
+      if (pass == 0) TOPK_MARK(2);   // the first pass
       if (pass == 0 && f.total > 0) top = f.top;
       if (pass == 0 && f.total <= static_cast<uint32_t>(k)) {   // every candidate is taken
         above = static_cast<int>(f.total);
@@ -465,6 +489,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
       cut = pass == 2;              // all 32 bits found and equal keys left over
     }
     const int selected = above + need;
+    TOPK_MARK(3);   // the later passes
 
     // --- slots, in column order --------------------------------------------------------------
     // Without a cut the selection is key >= prefix (prefix's low bits are 0, so key & mask >=
@@ -531,6 +556,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     int* o = out + static_cast<int64_t>(row) * k;
     if constexpr (kSortItems == 0) {
       Sync<kCluster>();   // every slot is written (and peers are done reading sh.cta_total)
+      TOPK_MARK(4);       // slots
       if (rank == 0) {
         for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sh.col[t] : -1;
       }
@@ -543,6 +569,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         }
       }
       Sync<kCluster>();
+      TOPK_MARK(4);   // slots
       if (rank == 0) {
         // Every selected key lies in [prefix, top_key]: the sort looks at the significant bits of
         // key - prefix only.
@@ -556,9 +583,14 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         } else {
           RadixSort<kSortItems>(sh, prefix, end_bit);
         }
+        TOPK_MARK(5);   // the sort
         for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sh.col[t] : -1;
       }
     }
+    TOPK_MARK(6);   // the output written
+#ifdef TOPK_PHASES
+    if (threadIdx.x == 0 && rank == 0) atomicAdd(&g_topk_phases[7], 1ull);
+#endif
   }  // rows
 }
 
@@ -619,6 +651,16 @@ int LaunchSorted(int sort_items, const float* logits, int64_t stride, const int*
 }  // namespace
 
 extern "C" int JaxDgTopkMaxK() { return kMaxK; }
+
+#ifdef TOPK_PHASES
+// The phase counters (cycles summed over rows; [7] the rows), then zeroed.
+extern "C" int JaxDgTopkPhases(unsigned long long* host) {
+  cudaError_t e = cudaMemcpyFromSymbol(host, g_topk_phases, sizeof(g_topk_phases));
+  const unsigned long long zero[8] = {};
+  if (e == cudaSuccess) e = cudaMemcpyToSymbol(g_topk_phases, zero, sizeof(zero));
+  return static_cast<int>(e);
+}
+#endif
 
 // The kernel's shape for rows of `cols` keys: keys per thread and CTAs per row (a cluster).
 // Measured on the H200 (benchmarks/topk_shapes.cu): a cluster costs more than it parallelises
