@@ -166,6 +166,10 @@ __device__ __forceinline__ Found FindBin(S& sh, uint32_t* hist, int need, int ra
   Sync<kCluster>();   // every CTA's histogram is complete
   uint32_t c[kBinsPerThread], sum = 0;   // this thread's bins, highest first
   Unpack(BinsOf(hist, tid), c);
+  // One CTA: only this thread reads these bins, so it zeroes them for the next pass (the barrier
+  // below orders that before the next pass counts). A cluster's peers read them remotely: the
+  // pass zeroes its histogram first.
+  if constexpr (kCluster == 1) BinsOf(hist, tid) = make_uint4(0, 0, 0, 0);
   if constexpr (kCluster > 1) {
 #pragma unroll 1
     for (int r = 1; r < kCluster; ++r) {
@@ -201,9 +205,9 @@ __device__ __forceinline__ Found FindBin(S& sh, uint32_t* hist, int need, int ra
     }
   }
   __syncthreads();
-  const Found f{total, sh.bin, sh.above, sh.count, sh.top};
-  __syncthreads();   // sh.bin and sh.scan are written again by the next call
-  return f;
+  // No barrier after the read: the next writes of sh.bin, sh.top and sh.scan come after the next
+  // call's first barrier (or, for the slots' scan, after this one's).
+  return Found{total, sh.bin, sh.above, sh.count, sh.top};
 }
 
 // A float's order-preserving uint32 key (sign set: bits | 1 << 31; clear: ~bits), or 0 for
@@ -243,6 +247,18 @@ __device__ __forceinline__ Range RowRange(const int* lo, const int* hi, int row,
 // are loaded; the others keep what they held, and the key pass never takes them as candidates.
 template <int kItems>
 __device__ __forceinline__ void StartLoad(float4* stage, const float* x, Range r, int seg, int lane, bool vec) {
+  // The warp's columns all inside (most warps): no per-chunk bound checks (with them the load was
+  // 16 % of the kernel's instructions at [2048, 8192], session 10's profile).
+  if (vec && seg >= r.begin && seg + 32 * kItems <= r.end) {
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
+#pragma unroll
+    for (int v = 0; v < kItems / 4; ++v) {
+      const int q = v * 32 + lane;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(base + 16 * (q ^ ((q >> 3) & 7))),
+                   "l"(x + seg + 4 * q) : "memory");
+    }
+    return;
+  }
 #pragma unroll
   for (int v = 0; v < kItems / 4; ++v) {
     const int q = v * 32 + lane;
@@ -412,6 +428,10 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
   const int first = seg + lane * kItems;                              // this thread's first
   float4* stage = sh.stage + (tid - lane) * kChunks;
 
+  if constexpr (kCluster == 1) {   // FindBin keeps them zeroed from here on
+    for (int t = tid; t < 2 * kBins; t += kThreads) sh.hist[t / kBins][t % kBins] = 0;
+    __syncthreads();
+  }
   int row = static_cast<int>(blockIdx.x) / kCluster;
   Range next = row < rows ? RowRange(lo, hi, row, cols) : Range{0, 0};
   StartLoad<kItems>(stage, logits + static_cast<int64_t>(row) * stride, next, seg, lane, vec);
@@ -429,16 +449,27 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     TOPK_MARK(0);   // the row's logits arrived
     uint32_t key[kItems];
     // columns outside [begin, end) only where this thread's columns cross a bound
-    const bool inside = first >= begin && first + kItems <= end;
+    if (first >= begin && first + kItems <= end) {   // no bound to check (most threads)
 #pragma unroll
-    for (int v = 0; v < kChunks; ++v) {
-      const int q = lane * kChunks + v;
-      const float4 f4 = stage[q ^ ((q >> 3) & 7)];
-      const float f[4] = {f4.x, f4.y, f4.z, f4.w};
+      for (int v = 0; v < kChunks; ++v) {
+        const int q = lane * kChunks + v;
+        const float4 f4 = stage[q ^ ((q >> 3) & 7)];
+        key[4 * v] = CandidateKey(f4.x);
+        key[4 * v + 1] = CandidateKey(f4.y);
+        key[4 * v + 2] = CandidateKey(f4.z);
+        key[4 * v + 3] = CandidateKey(f4.w);
+      }
+    } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = first + 4 * v + e;
-        key[4 * v + e] = inside || (c >= begin && c < end) ? CandidateKey(f[e]) : 0u;
+      for (int v = 0; v < kChunks; ++v) {
+        const int q = lane * kChunks + v;
+        const float4 f4 = stage[q ^ ((q >> 3) & 7)];
+        const float f[4] = {f4.x, f4.y, f4.z, f4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = first + 4 * v + e;
+          key[4 * v + e] = c >= begin && c < end ? CandidateKey(f[e]) : 0u;
+        }
       }
     }
     const int next_row = row + clusters;
@@ -460,13 +491,15 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
       const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
       const uint32_t digit = pass == 2 ? 0x3ffu : 0x7ffu;
       uint32_t* hist = sh.hist[pass & 1];
+      if constexpr (kCluster > 1) {   // (one CTA: FindBin left it zeroed)
 #pragma unroll
-      for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
-      __syncthreads();
+        for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
+        __syncthreads();
+      }
       if (pass == 0) {   // every key, no branch: key 0 lands in bin 0, FindBin skips it
 #pragma unroll
         for (int j = 0; j < kItems; ++j) atomicAdd(&hist[key[j] >> 21], 1u);
-      } else {
+      } else {   // (a predicated red.shared in place of the branch measured no faster)
 #pragma unroll
         for (int j = 0; j < kItems; ++j) {
           if ((key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & digit], 1u);
@@ -580,6 +613,13 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         // k 512 and 2048); at k 4096 or past 32768 keys a row its buckets fill up (0.66-0.96x).
         if constexpr (kSortItems <= 4 && kItems <= 32) {
           if (!BucketSort<kSortItems>(sh, selected, prefix, end_bit)) RadixSort<kSortItems>(sh, prefix, end_bit);
+          if constexpr (kCluster == 1) {   // its counts were the histograms: zero again
+            if (next_row < rows) {
+#pragma unroll
+              for (int j = 0; j < kBinsPerThread; ++j) sh.hist[0][tid + j * kThreads] = sh.hist[1][tid + j * kThreads] = 0;
+              __syncthreads();
+            }
+          }
         } else {
           RadixSort<kSortItems>(sh, prefix, end_bit);
         }
