@@ -220,9 +220,11 @@ __device__ __forceinline__ uint32_t CandidateKey(float v) {
 }
 
 // Asynchronous copies global -> shared (sm80+): the next row loads while this one is selected.
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src) {   // dst: a shared address
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src) : "memory");
+  CopyAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src);
 }
 __device__ __forceinline__ void CopyAsync4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
@@ -254,8 +256,7 @@ __device__ __forceinline__ void StartLoad(float4* stage, const float* x, Range r
 #pragma unroll
     for (int v = 0; v < kItems / 4; ++v) {
       const int q = v * 32 + lane;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(base + 16 * (q ^ ((q >> 3) & 7))),
-                   "l"(x + seg + 4 * q) : "memory");
+      CopyAsync16(base + 16 * (q ^ ((q >> 3) & 7)), x + seg + 4 * q);
     }
     return;
   }
