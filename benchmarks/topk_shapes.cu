@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
       if (argc > 7) {
         CHECK(JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, std::atoi(argv[6]),
                                   std::atoi(argv[7]),
-                                  argc > 8 ? std::atoi(argv[8]) : (std::atoi(argv[7]) > 1 && !sorted), 0));   // JaxDgTopkRows' grid
+                                  argc > 8 ? std::atoi(argv[8]) : !sorted, 0));   // JaxDgTopkRows' grid
       } else {
         CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
       }

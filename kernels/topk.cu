@@ -292,15 +292,19 @@ constexpr int kBucketBits = 11;   // 2048 buckets: the selection's histograms, r
 constexpr uint32_t kMaxBucket = 32;
 static_assert(1 << kBucketBits == kBins, "a bucket is a histogram bin");
 
+// zeroed: hist[0] is all zero already (one CTA: the selection leaves it so), and needs no zeroing
+// pass and barrier.
 template <int kSortItems, typename S>
-__device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int end_bit) {
+__device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int end_bit, bool zeroed) {
   const int tid = threadIdx.x;
   const int shift = max(end_bit - kBucketBits, 0);
   uint32_t* count = sh.hist[0];   // the selection is done with both (its last reader has synced)
   uint32_t* start = sh.hist[1];
+  if (!zeroed) {
 #pragma unroll
-  for (int j = 0; j < kBinsPerThread; ++j) count[tid + j * kThreads] = 0;
-  __syncthreads();
+    for (int j = 0; j < kBinsPerThread; ++j) count[tid + j * kThreads] = 0;
+    __syncthreads();
+  }
   uint32_t pos[kSortItems];   // held through the scan: the pairs themselves are read twice
 #pragma unroll
   for (int i = 0; i < kSortItems; ++i) {
@@ -487,40 +491,54 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     int need = k;                    // taken among the keys that match them: the first need
     bool cut = false;                // ties at the threshold must be cut (in column order)
     int top = kBins - 1;             // the highest candidate's first digit
-#pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
-      const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
-      const uint32_t digit = pass == 2 ? 0x3ffu : 0x7ffu;
-      uint32_t* hist = sh.hist[pass & 1];
+    bool found;                      // the selection is known
+    {  // the first pass: every key, no branch (key 0 lands in bin 0, which FindBin skips)
+      uint32_t* hist = sh.hist[0];
       if constexpr (kCluster > 1) {   // (one CTA: FindBin left it zeroed)
 #pragma unroll
         for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
         __syncthreads();
       }
-      if (pass == 0) {   // every key, no branch: key 0 lands in bin 0, FindBin skips it
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) atomicAdd(&hist[key[j] >> 21], 1u);
-      } else {   // (a predicated red.shared in place of the branch measured no faster)
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-          if ((key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & digit], 1u);
-        }
-      }
-      const Found f = FindBin<kCluster>(sh, hist, need, rank, pass == 0);
-      if (pass == 0) TOPK_MARK(2);   // the first pass
-      if (pass == 0 && f.total > 0) top = f.top;
-      if (pass == 0 && f.total <= static_cast<uint32_t>(k)) {   // every candidate is taken
+      for (int j = 0; j < kItems; ++j) atomicAdd(&hist[key[j] >> 21], 1u);
+      const Found f = FindBin<kCluster>(sh, hist, need, rank, true);
+      TOPK_MARK(2);   // the first pass
+      if (f.total > 0) top = f.top;
+      if (f.total <= static_cast<uint32_t>(k)) {   // every candidate is taken
         above = static_cast<int>(f.total);
         need = 0;
         prefix = 1;   // every candidate's key is >= 1
-        break;
+        found = true;
+      } else {
+        above = f.above;
+        need -= f.above;
+        prefix = static_cast<uint32_t>(f.bin) << 21;
+        mask = 0x7ffu << 21;
+        found = f.count == need;   // the whole bin is taken: no tie to cut
       }
+    }
+#pragma unroll 1
+    for (int pass = 1; pass < 3 && !found; ++pass) {   // the keys that match the digits found
+      const int shift = pass == 1 ? 10 : 0;
+      const uint32_t digit = pass == 2 ? 0x3ffu : 0x7ffu;
+      uint32_t* hist = sh.hist[pass & 1];
+      if constexpr (kCluster > 1) {
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
+        __syncthreads();
+      }
+      // (a predicated red.shared in place of the branch measured no faster)
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        if ((key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & digit], 1u);
+      }
+      const Found f = FindBin<kCluster>(sh, hist, need, rank, false);
       above += f.above;
       need -= f.above;
       prefix |= static_cast<uint32_t>(f.bin) << shift;
       mask |= digit << shift;
-      if (f.count == need) break;   // the whole bin is taken: no tie to cut
-      cut = pass == 2;              // all 32 bits found and equal keys left over
+      found = f.count == need;     // the whole bin is taken: no tie to cut
+      cut = pass == 2 && !found;   // all 32 bits found and equal keys left over
     }
     const int selected = above + need;
     TOPK_MARK(3);   // the later passes
@@ -613,7 +631,8 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         // The bucket sort where it measured faster (RESULTS.md, session 8: 1.27x at [2048, 8192]
         // k 512 and 2048); at k 4096 or past 32768 keys a row its buckets fill up (0.66-0.96x).
         if constexpr (kSortItems <= 4 && kItems <= 32) {
-          if (!BucketSort<kSortItems>(sh, selected, prefix, end_bit)) RadixSort<kSortItems>(sh, prefix, end_bit);
+          // (one CTA: the selection left hist[0] zeroed, and the sort needs no zeroing pass)
+          if (!BucketSort<kSortItems>(sh, selected, prefix, end_bit, kCluster == 1)) RadixSort<kSortItems>(sh, prefix, end_bit);
           if constexpr (kCluster == 1) {   // its counts were the histograms: zero again
             if (next_row < rows) {
 #pragma unroll
@@ -760,14 +779,14 @@ extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo,
   if (!JaxDgTopkShape(cols, &items, &cluster_size)) {
     return JaxDgTopkLongRows(logits, stride, lo, hi, rows, cols, k, sorted, out, stream);
   }
-  // The persistent grid (loading the next row during this one) only where that measured faster:
-  // unsorted rows of a cluster (at [4096, 32768] 32 x 2, k 2048: 640 us against 667 a cluster a
-  // row).
-  // Single-CTA rows and sorted ones are faster a CTA (cluster) a row, the hardware refilling the
-  // SM as soon as one finishes (at [2048, 8192] 16 x 1, k 2048: 53.9 against 57.5 us unsorted,
-  // 133.0 against 135.3 sorted; at [4096, 32768] sorted 878 against 946, where a persistent
-  // cluster's other CTAs wait through rank 0's sort).
-  const int persistent = cluster_size > 1 && !sorted;
+  // The persistent grid (loading the next row during this one) only where that measured faster
+  // (H200, session 11's kernel, topk_shapes.cu): unsorted rows (at [4096, 32768] 32 x 2, k 2048:
+  // 493 us against 516 a cluster a row; at [2048, 8192] 16 x 1: 46.5 against 47.9 at k 2048,
+  // 41.9 against 44.6 at k 4096; equal at [256, 8192] and [64, 65536]). Sorted rows are faster
+  // a CTA (cluster) a row, the hardware refilling the SM as soon as one finishes: at [4096,
+  // 32768] 718 against 794 us, a persistent cluster's other CTAs waiting through rank 0's sort;
+  // at [2048, 8192] within 1 % either way.
+  const int persistent = !sorted;
   return JaxDgTopkRowsShaped(logits, stride, lo, hi, rows, cols, k, sorted, out, items,
                              cluster_size, persistent, stream);
 }
