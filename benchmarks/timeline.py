@@ -21,8 +21,8 @@ of the process, XLA's included, so both sides are seen the same way. Per call:
              jax_dg launches more often than torch: "+extra launches per call (jax_dg's us
              per call in that kernel)"
 For fp8_gemm_nt 4096x24576x1536, mqa_logits and topk_indices a "chain20" row: the same n calls
-unrolled in ONE jitted function (inputs through lax.optimization_barrier so none is merged), per call:
-what one execution costs spread over its calls vs one execution per call. A "calls, graph" row
+unrolled in ONE jitted function (inputs through lax.optimization_barrier so none is merged), per
+call: what one execution costs spread over its calls vs one execution per call. A "calls, graph" row
 (GPU only): the one-op function jitted with compiler_options {"xla_gpu_graph_min_graph_size": 1},
 so that XLA replays it as a command buffer (its default asks for 5 commands, more than a one-op
 program has): what the per-execution host path costs.

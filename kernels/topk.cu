@@ -150,6 +150,13 @@ __device__ __forceinline__ void Unpack(const uint4& v, uint32_t (&c)[kBinsPerThr
   c[3] = v.x;
 }
 
+// Zeroes a CTA's histogram before a pass counts into it (a barrier after).
+__device__ __forceinline__ void ZeroBins(uint32_t* hist) {
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) hist[threadIdx.x + j * kThreads] = 0;
+  __syncthreads();
+}
+
 struct Found {
   uint32_t total;   // candidates counted
   int bin, above, count;   // the bin of the need-th largest, the count above it and in it
@@ -300,11 +307,7 @@ __device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int en
   const int shift = max(end_bit - kBucketBits, 0);
   uint32_t* count = sh.hist[0];   // the selection is done with both (its last reader has synced)
   uint32_t* start = sh.hist[1];
-  if (!zeroed) {
-#pragma unroll
-    for (int j = 0; j < kBinsPerThread; ++j) count[tid + j * kThreads] = 0;
-    __syncthreads();
-  }
+  if (!zeroed) ZeroBins(count);
   uint32_t pos[kSortItems];   // held through the scan: the pairs themselves are read twice
 #pragma unroll
   for (int i = 0; i < kSortItems; ++i) {
@@ -494,11 +497,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     bool found;                      // the selection is known
     {  // the first pass: every key, no branch (key 0 lands in bin 0, which FindBin skips)
       uint32_t* hist = sh.hist[0];
-      if constexpr (kCluster > 1) {   // (one CTA: FindBin left it zeroed)
-#pragma unroll
-        for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
-        __syncthreads();
-      }
+      if constexpr (kCluster > 1) ZeroBins(hist);   // (one CTA: FindBin left it zeroed)
 #pragma unroll
       for (int j = 0; j < kItems; ++j) atomicAdd(&hist[key[j] >> 21], 1u);
       const Found f = FindBin<kCluster>(sh, hist, need, rank, true);
@@ -522,11 +521,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
       const int shift = pass == 1 ? 10 : 0;
       const uint32_t digit = pass == 2 ? 0x3ffu : 0x7ffu;
       uint32_t* hist = sh.hist[pass & 1];
-      if constexpr (kCluster > 1) {
-#pragma unroll
-        for (int j = 0; j < kBinsPerThread; ++j) hist[tid + j * kThreads] = 0;
-        __syncthreads();
-      }
+      if constexpr (kCluster > 1) ZeroBins(hist);
       // (a predicated red.shared in place of the branch measured no faster)
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
