@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
     CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
     Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, 0);
-    unsigned long long c[8];
+    unsigned long long c[16];
     CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
     CHECK(cudaDeviceSynchronize());
     CHECK(JaxDgTopkPhases(c));   // zeroes them
@@ -179,6 +179,12 @@ int main(int argc, char** argv) {
                 all / c[7], c[7]);
     for (int i = 0; i < 7; ++i) std::printf("  %s %.0f (%.0f%%)", names[i], double(c[i]) / c[7], 100.0 * c[i] / all);
     std::printf("\n");
+    const char* steps[6] = {"counts", "scan", "read", "scatter", "in-bucket ranks", "final scatter"};
+    if (c[8] > 0) {   // the bucket sort's steps (rows it took)
+      std::printf("  bucket sort, cycles a row:");
+      for (int i = 0; i < 6; ++i) std::printf("  %s %.0f", steps[i], double(c[8 + i]) / c[7]);
+      std::printf("\n");
+    }
     return 0;
   }
 #endif

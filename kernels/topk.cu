@@ -26,7 +26,8 @@
 // The cluster size is a template parameter (no cluster code in single-CTA rows), and the first
 // pass counts every key without a branch (a non-candidate's key 0 falls in bin 0, which no
 // candidate reaches). Measured on the H200 (benchmarks/topk_shapes.cu; RESULTS.md has the
-// tables): past 32768 keys, 64 keys a thread halve the CTAs a row needs (2.6x at [64, 65536]).
+// tables): from 16384 keys, 64 keys a thread halve the CTAs a row needs (1.8x at [4096, 32768],
+// 2.6x at [64, 65536]).
 //
 // Candidates of row r: columns c with lo[r] <= c < hi[r] (all when lo/hi are null), c < cols,
 // and logits > -inf (NaN is not a candidate). Slots past the number of candidates get -1.
@@ -49,7 +50,7 @@ namespace {
 // Per-phase cycle counts (benchmarks/topk_shapes.cu's `phases` mode): built with -DTOPK_PHASES,
 // the first thread of each cluster adds the cycles of each phase of each row it takes.
 #ifdef TOPK_PHASES
-__device__ unsigned long long g_topk_phases[8];   // [7]: rows
+__device__ unsigned long long g_topk_phases[16];   // [7]: rows; [8, 16): the bucket sort's steps
 #define TOPK_MARK(i)                                                             \
   do {                                                                           \
     if (threadIdx.x == 0 && rank == 0) {                                         \
@@ -58,7 +59,18 @@ __device__ unsigned long long g_topk_phases[8];   // [7]: rows
       mark_ = t_;                                                                \
     }                                                                            \
   } while (0)
+#define TOPK_SUB(i)                                                              \
+  do {                                                                           \
+    if (threadIdx.x == 0) {                                                      \
+      const long long t_ = clock64();                                            \
+      atomicAdd(&g_topk_phases[i], static_cast<unsigned long long>(t_ - sub_));  \
+      sub_ = t_;                                                                 \
+    }                                                                            \
+  } while (0)
 #else
+#define TOPK_SUB(i) \
+  do {              \
+  } while (0)
 #define TOPK_MARK(i) \
   do {               \
   } while (0)
@@ -307,14 +319,24 @@ __device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int en
   const int shift = max(end_bit - kBucketBits, 0);
   uint32_t* count = sh.hist[0];   // the selection is done with both (its last reader has synced)
   uint32_t* start = sh.hist[1];
+#ifdef TOPK_PHASES
+  long long sub_ = clock64();
+#endif
   if (!zeroed) ZeroBins(count);
-  uint32_t pos[kSortItems];   // held through the scan: the pairs themselves are read twice
+  // The pairs are read once, here: the barriers below order every read before any move.
+  uint32_t pos[kSortItems], key[kSortItems];
+  int col[kSortItems];
 #pragma unroll
   for (int i = 0; i < kSortItems; ++i) {
     const int t = i * kThreads + tid;
-    if (t < n) pos[i] = atomicAdd(&count[(sh.key[t] - prefix) >> shift], 1u);
+    if (t < n) {
+      key[i] = sh.key[t];
+      col[i] = sh.col[t];
+      pos[i] = atomicAdd(&count[(key[i] - prefix) >> shift], 1u);
+    }
   }
   __syncthreads();
+  TOPK_SUB(8);
   // bucket starts, highest bucket first; and whether one is too full
   uint32_t c[kBinsPerThread], sum = 0, most = 0;
   Unpack(BinsOf(count, tid), c);
@@ -333,18 +355,12 @@ __device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int en
   }
   BinsOf(start, tid) = make_uint4(first[3], first[2], first[1], first[0]);
   if (__syncthreads_or(most > kMaxBucket)) return false;
-  uint32_t key[kSortItems];
-  int col[kSortItems];
+  TOPK_SUB(9);
 #pragma unroll
   for (int i = 0; i < kSortItems; ++i) {
-    const int t = i * kThreads + tid;
-    if (t < n) {
-      key[i] = sh.key[t];
-      col[i] = sh.col[t];
-      pos[i] += start[(key[i] - prefix) >> shift];   // the pair's place in its bucket's range
-    }
+    if (i * kThreads + tid < n) pos[i] += start[(key[i] - prefix) >> shift];   // its place in its bucket's range
   }
-  __syncthreads();   // every pair is read before any moves
+  TOPK_SUB(10);
 #pragma unroll
   for (int i = 0; i < kSortItems; ++i) {
     if (i * kThreads + tid < n) {
@@ -353,26 +369,44 @@ __device__ __forceinline__ bool BucketSort(S& sh, int n, uint32_t prefix, int en
     }
   }
   __syncthreads();
+  TOPK_SUB(11);
+  // pos becomes the pair's final place: the bucket's pairs before it, counted for all items at
+  // once, two of each bucket a step (their loads in flight together; a bucket holds a few pairs).
+  int s[kSortItems], len[kSortItems], longest = 0;
 #pragma unroll
-  for (int i = 0; i < kSortItems; ++i) {   // pos becomes the pair's final place
+  for (int i = 0; i < kSortItems; ++i) {
+    len[i] = 0;
+    s[i] = 0;
     if (i * kThreads + tid < n) {
       const uint32_t b = (key[i] - prefix) >> shift;
-      const int s = static_cast<int>(start[b]), e = s + static_cast<int>(count[b]);
-      int r = s;
+      s[i] = static_cast<int>(start[b]);
+      len[i] = static_cast<int>(count[b]);
+      longest = max(longest, len[i]);
+    }
+    pos[i] = static_cast<uint32_t>(s[i]);
+  }
 #pragma unroll 1
-      for (int q = s; q < e; ++q) {
-        const uint32_t kq = sh.key[q];
-        r += kq > key[i] || (kq == key[i] && sh.col[q] < col[i]);
+  for (int q = 0; q < longest; q += 2) {
+#pragma unroll
+    for (int i = 0; i < kSortItems; ++i) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (q + u < len[i]) {
+          const uint32_t kq = sh.key[s[i] + q + u];
+          const int cq = sh.col[s[i] + q + u];
+          pos[i] += kq > key[i] || (kq == key[i] && cq < col[i]);
+        }
       }
-      pos[i] = static_cast<uint32_t>(r);
     }
   }
   __syncthreads();
+  TOPK_SUB(12);
 #pragma unroll
   for (int i = 0; i < kSortItems; ++i) {
     if (i * kThreads + tid < n) sh.col[pos[i]] = col[i];
   }
   __syncthreads();
+  TOPK_SUB(13);
   return true;
 }
 
@@ -625,7 +659,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         const int end_bit = spread == 0 ? 1 : 32 - __clz(spread);
         // The bucket sort where it measured faster (RESULTS.md, session 8: 1.27x at [2048, 8192]
         // k 512 and 2048); at k 4096 or past 32768 keys a row its buckets fill up (0.66-0.96x).
-        if constexpr (kSortItems <= 4 && kItems <= 32) {
+        if constexpr (kSortItems <= 4 && kItems * kCluster <= 64) {
           // (one CTA: the selection left hist[0] zeroed, and the sort needs no zeroing pass)
           if (!BucketSort<kSortItems>(sh, selected, prefix, end_bit, kCluster == 1)) RadixSort<kSortItems>(sh, prefix, end_bit);
           if constexpr (kCluster == 1) {   // its counts were the histograms: zero again
@@ -711,7 +745,7 @@ extern "C" int JaxDgTopkMaxK() { return kMaxK; }
 // The phase counters (cycles summed over rows; [7] the rows), then zeroed.
 extern "C" int JaxDgTopkPhases(unsigned long long* host) {
   cudaError_t e = cudaMemcpyFromSymbol(host, g_topk_phases, sizeof(g_topk_phases));
-  const unsigned long long zero[8] = {};
+  const unsigned long long zero[16] = {};
   if (e == cudaSuccess) e = cudaMemcpyToSymbol(g_topk_phases, zero, sizeof(zero));
   return static_cast<int>(e);
 }
@@ -721,11 +755,13 @@ extern "C" int JaxDgTopkPhases(unsigned long long* host) {
 // Measured on the H200 (benchmarks/topk_shapes.cu): a cluster costs more than it parallelises
 // (at [4096, 32768], 32 keys a thread in clusters of 2 took 952 us, 16 in clusters of 4 1610
 // and 8 in clusters of 8 6635), so rows take more keys a thread before they take more CTAs: up
-// to 8192 keys, 16 a thread (2 CTAs an SM) beat 32 (1) by 2.5x; past 32768, 64 a thread
+// to 8192 keys, 16 a thread (2 CTAs an SM) beat 32 (1) by 2.5x; up to 32768, 64 a thread in one
+// CTA beat 32 in a cluster of 2 by 1.6-1.8x (session 12: [4096, 32768] k 2048 396 us sorted, 276
+// unsorted, against 718 and 496; at 64 rows within 3 % either way); past 32768, 64 a thread
 // (at [64, 65536] k 2048: 64 x 2 CTAs 20 us, 32 x 4 52 us; at [256, 131072]: 64 x 4 232 us,
 // 32 x 8 545 us). Returns 0 when a row is too long for a cluster (the long-row kernel takes it).
 extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
-  *items = cols <= 4096 ? 8 : cols <= 8192 ? 16 : cols <= 32768 ? 32 : 64;
+  *items = cols <= 4096 ? 8 : cols <= 8192 ? 16 : cols <= 16384 ? 32 : 64;
   for (int c = 1; c <= kMaxCluster; c *= 2) {
     if (static_cast<int64_t>(c) * kThreads * *items >= cols) {
       *cluster_size = c;
@@ -736,7 +772,7 @@ extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
 }
 
 // As JaxDgTopkRows with the kernel's shape given (items x cluster_size: 8 x 1, 16 x 1, 32 x 1,
-// 2, 4 or 8, 64 x 2, 4 or 8; their product times 512 >= cols) and the grid (0 one cluster a
+// 2, 4 or 8, 64 x 1, 2, 4 or 8; their product times 512 >= cols) and the grid (0 one cluster a
 // row, 1 the persistent grid, n > 1 persistent with n clusters): for tuning and tests. Other
 // shapes, or grid < 0, give cudaErrorInvalidValue.
 extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
@@ -760,6 +796,7 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
     case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
     case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
     case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 64 * 16 + 1: return LaunchSorted<64, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
     case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
     case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
     case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
