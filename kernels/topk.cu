@@ -811,14 +811,15 @@ extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo,
   if (!JaxDgTopkShape(cols, &items, &cluster_size)) {
     return JaxDgTopkLongRows(logits, stride, lo, hi, rows, cols, k, sorted, out, stream);
   }
-  // The persistent grid (loading the next row during this one) only where that measured faster
-  // (H200, session 11's kernel, topk_shapes.cu): unsorted rows (at [4096, 32768] 32 x 2, k 2048:
-  // 493 us against 516 a cluster a row; at [2048, 8192] 16 x 1: 46.5 against 47.9 at k 2048,
-  // 41.9 against 44.6 at k 4096; equal at [256, 8192] and [64, 65536]). Sorted rows are faster
-  // a CTA (cluster) a row, the hardware refilling the SM as soon as one finishes: at [4096,
-  // 32768] 718 against 794 us, a persistent cluster's other CTAs waiting through rank 0's sort;
-  // at [2048, 8192] within 1 % either way.
-  const int persistent = !sorted;
+  // The persistent grid (loading the next row during this one) where that measured faster (H200,
+  // topk_shapes.cu): unsorted rows, and sorted rows of one CTA (session 12's kernel: at [4096,
+  // 32768] 64 x 1 k 2048 unsorted 273 us against 294 a CTA a row, sorted 375 against 397; at
+  // [2048, 8192] 16 x 1 k 2048 46.2 against 47.6 unsorted, sorted within 1 % either way; equal
+  // at [256, 8192]). Sorted rows split over a cluster are faster a cluster a row, the hardware
+  // refilling the SMs as soon as one finishes: a persistent cluster's other CTAs would wait
+  // through rank 0's sort (at [4096, 32768] 32 x 2, session 11: 718 against 794 us; at [64,
+  // 65536] and [256, 131072] equal).
+  const int persistent = !sorted || cluster_size == 1;
   return JaxDgTopkRowsShaped(logits, stride, lo, hi, rows, cols, k, sorted, out, items,
                              cluster_size, persistent, stream);
 }

@@ -267,9 +267,9 @@ def test_gpu_every_kernel_shape_equals_the_cpu_twin(keys, n):
 @pytest.mark.parametrize("n", [1000, 8191, 30001])
 def test_gpu_rows_past_one_persistent_grid_equal_the_cpu_twin(keys, n):
     """More rows than one persistent grid has clusters (2 an SM): where JaxDgTopkRows picks that
-    grid (unsorted rows) a cluster selects several rows, loading the next one while it selects
-    the current one; sorted rows take a cluster a row. (topk_shapes.cu compares both grids on
-    every default shape, sorted and not.)"""
+    grid (unsorted rows, and sorted rows of one CTA: all of these) a CTA selects several rows,
+    loading the next one while it selects the current one; sorted rows split over a cluster take
+    a cluster a row. (topk_shapes.cu compares both grids on every default shape, sorted and not.)"""
     m = 700
     x = tricky_logits(keys, m, n, levels=3)
     x = x.at[m // 2:].set(jax.random.normal(keys(), (m - m // 2, n)))   # rows without ties too
