@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 7; ++i) std::printf("  %s %.0f (%.0f%%)", names[i], double(c[i]) / c[7], 100.0 * c[i] / all);
     std::printf("\n");
     const char* steps[6] = {"counts", "scan", "read", "scatter", "in-bucket ranks", "final scatter"};
-    if (c[8] > 0) {   // the bucket sort's steps (rows it took)
+    if (c[8] > 0) {   // the bucket sort ran: its steps, over every row of the calls
       std::printf("  bucket sort, cycles a row:");
       for (int i = 0; i < 6; ++i) std::printf("  %s %.0f", steps[i], double(c[8 + i]) / c[7]);
       std::printf("\n");

@@ -50,29 +50,28 @@ namespace {
 // Per-phase cycle counts (benchmarks/topk_shapes.cu's `phases` mode): built with -DTOPK_PHASES,
 // the first thread of each cluster adds the cycles of each phase of each row it takes.
 #ifdef TOPK_PHASES
-__device__ unsigned long long g_topk_phases[16];   // [7]: rows; [8, 16): the bucket sort's steps
-#define TOPK_MARK(i)                                                             \
-  do {                                                                           \
-    if (threadIdx.x == 0 && rank == 0) {                                         \
-      const long long t_ = clock64();                                            \
-      atomicAdd(&g_topk_phases[i], static_cast<unsigned long long>(t_ - mark_)); \
-      mark_ = t_;                                                                \
-    }                                                                            \
+__device__ unsigned long long g_topk_phases[16];   // [7]: rows; [8, 14): the bucket sort's steps
+// Adds the cycles since `mark` to counter i and restarts `mark` (one thread calls it).
+__device__ __forceinline__ void PhaseTick(int i, long long& mark) {
+  const long long t = clock64();
+  atomicAdd(&g_topk_phases[i], static_cast<unsigned long long>(t - mark));
+  mark = t;
+}
+#define TOPK_MARK(i)                                        \
+  do {                                                      \
+    if (threadIdx.x == 0 && rank == 0) PhaseTick(i, mark_); \
   } while (0)
-#define TOPK_SUB(i)                                                              \
-  do {                                                                           \
-    if (threadIdx.x == 0) {                                                      \
-      const long long t_ = clock64();                                            \
-      atomicAdd(&g_topk_phases[i], static_cast<unsigned long long>(t_ - sub_));  \
-      sub_ = t_;                                                                 \
-    }                                                                            \
+// The bucket sort's steps (it runs on rank 0 only).
+#define TOPK_SUB(i)                           \
+  do {                                        \
+    if (threadIdx.x == 0) PhaseTick(i, sub_); \
   } while (0)
 #else
-#define TOPK_SUB(i) \
-  do {              \
-  } while (0)
 #define TOPK_MARK(i) \
   do {               \
+  } while (0)
+#define TOPK_SUB(i) \
+  do {              \
   } while (0)
 #endif
 
@@ -659,7 +658,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
         const int end_bit = spread == 0 ? 1 : 32 - __clz(spread);
         // The bucket sort where it measured faster (RESULTS.md, session 8: 1.27x at [2048, 8192]
         // k 512 and 2048); at k 4096 or past 32768 keys a row its buckets fill up (0.66-0.96x).
-        if constexpr (kSortItems <= 4 && kItems * kCluster <= 64) {
+        if constexpr (kSortItems <= 4 && kThreads * kItems * kCluster <= 32768) {
           // (one CTA: the selection left hist[0] zeroed, and the sort needs no zeroing pass)
           if (!BucketSort<kSortItems>(sh, selected, prefix, end_bit, kCluster == 1)) RadixSort<kSortItems>(sh, prefix, end_bit);
           if constexpr (kCluster == 1) {   // its counts were the histograms: zero again
