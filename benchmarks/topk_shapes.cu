@@ -13,6 +13,9 @@
 //                             n persistent clusters, so a few rows still cross rows); <= 64 rows
 //                             are checked against the CPU
 //   /tmp/topk_shapes time ROWS COLS K SORTED [TIES]   one shape timed (and then the baseline)
+//   /tmp/topk_shapes split ROWS COLS K SORTED   rows split over CTAs (kernels/topk_split.h)
+//                             against a cluster a row, and the split's two launches' work timed
+//                             as plain top-k
 //   /tmp/topk_shapes phases ROWS COLS K SORTED   with -DTOPK_PHASES (kernel and harness): the
 //                             cycles a row's cluster spends in each phase, from its first thread
 //
@@ -36,7 +39,12 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
                                    int items, int cluster_size, int grid, cudaStream_t stream);
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
-                             int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+                             int rows, int cols, int k, int sorted, int* out, void* scratch,
+                             int64_t scratch_bytes, cudaStream_t stream);
+extern "C" int JaxDgTopkSplits(int rows, int cols, int k, int sorted);
+extern "C" int JaxDgTopkRowsSplit(const float* logits, int64_t stride, const int* lo, const int* hi,
+                                  int rows, int cols, int k, int sorted, int* out, int chunk_cols,
+                                  void* scratch, int launches, cudaStream_t stream);
 #ifdef TOPK_PHASES
 extern "C" int JaxDgTopkPhases(unsigned long long* host);
 #endif
@@ -44,6 +52,11 @@ extern "C" int JaxDgTopkPhases(unsigned long long* host);
 extern "C" int BaselineTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                                 int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
 #endif
+
+// JaxDgTopkRows' scratch, as the FFI handler gives it: sized for any split (32768 candidates, 8
+// bytes each, a row), set up by Scratch(rows).
+void* g_scratch = nullptr;
+int64_t g_scratch_bytes = 0;
 
 #define CHECK(x)                                                                    \
   do {                                                                              \
@@ -102,6 +115,18 @@ int FirstMismatch(const float* host, const std::vector<int>& got, int rows, int 
   return -1;
 }
 
+void Scratch(int rows) {
+  if (int64_t(rows) * 32768 * 8 <= g_scratch_bytes) return;
+  if (g_scratch) CHECK(cudaFree(g_scratch));
+  g_scratch_bytes = int64_t(rows) * 32768 * 8;
+  CHECK(cudaMalloc(&g_scratch, g_scratch_bytes));
+}
+
+// The top-k as the FFI handler calls it.
+int Topk(const float* x, int rows, int cols, int k, int sorted, int* out) {
+  return JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, g_scratch, g_scratch_bytes, 0);
+}
+
 float TimeUs(int reps, const std::function<void()>& f) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
@@ -131,13 +156,14 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
     CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
     Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 7, ties);
+    Scratch(rows);
     for (int i = 0; i < 2; ++i) {   // the second call is the one to profile (nothing to set up)
       if (argc > 7) {
         CHECK(JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, std::atoi(argv[6]),
                                   std::atoi(argv[7]),
                                   argc > 8 ? std::atoi(argv[8]) : !sorted, 0));   // JaxDgTopkRows' grid
       } else {
-        CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+        CHECK(Topk(x, rows, cols, k, sorted, out));
       }
     }
     CHECK(cudaDeviceSynchronize());
@@ -165,11 +191,12 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
     CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
     Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, 0);
+    Scratch(rows);
     unsigned long long c[16];
-    CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+    CHECK(Topk(x, rows, cols, k, sorted, out));
     CHECK(cudaDeviceSynchronize());
     CHECK(JaxDgTopkPhases(c));   // zeroes them
-    for (int i = 0; i < 10; ++i) CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
+    for (int i = 0; i < 10; ++i) CHECK(Topk(x, rows, cols, k, sorted, out));
     CHECK(cudaDeviceSynchronize());
     CHECK(JaxDgTopkPhases(c));
     const char* names[7] = {"load wait", "keys", "pass 0", "passes 1-2", "slots", "sort", "output"};
@@ -188,6 +215,38 @@ int main(int argc, char** argv) {
     return 0;
   }
 #endif
+  if (argc > 5 && std::strcmp(argv[1], "split") == 0) {   // a split row against a cluster a row
+    const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
+    const int sorted = std::atoi(argv[5]);
+    const int64_t chunks = (cols + 32767) / 32768;
+    float* x;
+    int* out;
+    CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
+    CHECK(cudaMalloc(&out, int64_t(rows) * chunks * k * 4));
+    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, 0);
+    Scratch(rows);
+    int items = 0, cluster = 0;
+    CHECK(JaxDgTopkShape(cols, &items, &cluster) ? 0 : 1);
+    auto split = [&] { JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, 3, 0); };
+    auto split1 = [&] { JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, 1, 0); };
+    auto split2 = [&] { JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, 2, 0); };
+    auto clustered = [&] {
+      JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, items, cluster, !sorted, 0);
+    };
+    // the split's two launches' work as plain top-k: [rows * chunks, cols / chunks] unsorted, then
+    // [rows, chunks * k] (random logits in place of the candidates' values)
+    const int part = int((cols / chunks + 3) / 4 * 4);
+    auto first = [&] { Topk(x, int(rows * chunks), part, k, 0, out); };
+    auto second = [&] { Topk(x, rows, int(chunks * k), k, sorted, out); };
+    split(), clustered(), first(), second();
+    CHECK(cudaDeviceSynchronize());
+    const float a = TimeUs(20, split), b = TimeUs(20, clustered), c = TimeUs(20, first), d = TimeUs(20, second);
+    const float a1 = TimeUs(20, split1), a2 = TimeUs(20, split2);
+    std::printf("split rows %d cols %d k %d sorted %d: split %.1f us (launches %.1f + %.1f), %d x %d a cluster %.1f us "
+                "(x%.2f); as plain top-k: [%lld, %d] unsorted %.1f + [%d, %lld] %.1f\n", rows, cols, k, sorted, a, a1,
+                a2, items, cluster, b, b / a, (long long)(rows * chunks), part, c, rows, (long long)(chunks * k), d);
+    return 0;
+  }
   if (argc > 5 && std::strcmp(argv[1], "time") == 0) {   // one shape: default (and baseline) us
     const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
     const int sorted = std::atoi(argv[5]);
@@ -197,8 +256,9 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&out, int64_t(rows) * k * 4));
     CHECK(cudaMalloc(&out2, int64_t(rows) * k * 4));
     Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, argc > 6 ? std::atoi(argv[6]) : 0);
-    CHECK(JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0));
-    const float us = TimeUs(20, [&] { JaxDgTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 0); });
+    Scratch(rows);
+    CHECK(Topk(x, rows, cols, k, sorted, out));
+    const float us = TimeUs(20, [&] { Topk(x, rows, cols, k, sorted, out); });
     std::printf("time rows %d cols %d k %d sorted %d: %.1f us", rows, cols, k, sorted, us);
 #ifdef TOPK_BASELINE
     CHECK(BaselineTopkRows(x, cols, nullptr, nullptr, rows, cols, k, sorted, out2, 0));
@@ -215,7 +275,7 @@ int main(int argc, char** argv) {
   std::vector<Case> cases = small ? std::vector<Case>{{3, 1000}, {5, 8191}, {4, 30001}, {2, 131072}, {2, 140000}, {2, 262144}, {2, 270000},
                                                       {270, 30001}}   // rows past one persistent grid (2 x 132 clusters)
                                   : std::vector<Case>{{2048, 8192}, {4096, 32768}, {64, 65536}, {256, 131072}, {256, 8192}};
-  if (small && !tiny) cases.insert(cases.end(), {{300, 1000}, {300, 8191}});
+  if (small && !tiny) cases.insert(cases.end(), {{300, 1000}, {300, 8191}, {3, 32769}, {300, 40000}, {2, 1000000}});
   std::vector<int> ks = small ? std::vector<int>{1, 700, 4096} : std::vector<int>{512, 2048, 4096};
   int failures = 0;
   for (const Case& cs : cases) {
@@ -229,6 +289,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&copy, n * 4));
     for (int ties : {0, 8}) {
       Fill<<<1024, 256>>>(x, n, 1234 + cs.cols, ties);
+      Scratch(cs.rows);
       CHECK(cudaDeviceSynchronize());
       if (ties && !small) continue;   // timing on random data only
       const float copy_us = small ? 0 : TimeUs(10, [&] { cudaMemcpyAsync(copy, x, n * 4, cudaMemcpyDeviceToDevice); });
@@ -239,7 +300,7 @@ int main(int argc, char** argv) {
       for (int k : ks) {
         for (int sorted : {0, 1}) {
           // default shape: checked against the CPU on the first rows
-          CHECK(JaxDgTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, ref, 0));
+          CHECK(Topk(x, cs.rows, cs.cols, k, sorted, ref));
           CHECK(cudaDeviceSynchronize());
           std::vector<int> got(int64_t(cs.rows) * k);
           CHECK(cudaMemcpy(got.data(), ref, got.size() * 4, cudaMemcpyDeviceToHost));
@@ -253,11 +314,17 @@ int main(int argc, char** argv) {
           int d_items = 0, d_cluster = 0;
           const bool fits = JaxDgTopkShape(cs.cols, &d_items, &d_cluster);
           const float def_us = small ? 0 : TimeUs(20, [&] {
-            JaxDgTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, 0);
+            Topk(x, cs.rows, cs.cols, k, sorted, out);
           });
           if (!small) {
-            std::printf("rows %5d cols %6d k %4d %-8s default (%2d x %d): %8.1f us  floor %6.1f  x%.2f",
-                        cs.rows, cs.cols, k, sorted ? "sorted" : "unsorted", d_items, d_cluster, def_us,
+            char shape[32];
+            if (JaxDgTopkSplits(cs.rows, cs.cols, k, sorted) == 1) {
+              std::snprintf(shape, sizeof(shape), "split");
+            } else {
+              std::snprintf(shape, sizeof(shape), "%2d x %d", d_items, d_cluster);
+            }
+            std::printf("rows %5d cols %6d k %4d %-8s default (%s): %8.1f us  floor %6.1f  x%.2f",
+                        cs.rows, cs.cols, k, sorted ? "sorted" : "unsorted", shape, def_us,
                         floor_us, def_us / floor_us);
 #ifdef TOPK_BASELINE
             CHECK(BaselineTopkRows(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, 0));
@@ -272,6 +339,25 @@ int main(int argc, char** argv) {
             if (base != got) ++failures;
 #endif
             std::printf("\n");
+          }
+          for (int chunk : {8192, 16384, 32768}) {   // a split row's chunk sizes (the default: 32768)
+            if (cs.cols <= 32768) break;
+            const int rc = JaxDgTopkRowsSplit(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, chunk, g_scratch, 3, 0);
+            if (rc == cudaErrorInvalidValue) continue;   // not split (too many candidates)
+            CHECK(rc);
+            CHECK(cudaDeviceSynchronize());
+            std::vector<int> other(got.size());
+            CHECK(cudaMemcpy(other.data(), out, other.size() * 4, cudaMemcpyDeviceToHost));
+            if (other != got) {
+              std::printf("MISMATCH split in chunks of %d: cols %d k %d sorted %d ties %d\n", chunk, cs.cols, k,
+                          sorted, ties);
+              ++failures;
+            }
+            if (small) continue;
+            const float us = TimeUs(20, [&] {
+              JaxDgTopkRowsSplit(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, chunk, g_scratch, 3, 0);
+            });
+            std::printf("%58s (split, chunks <= %5d): %8.1f us\n", "", chunk, us);
           }
           if (!fits) continue;
           for (int persistent : {0, 1}) {   // the default shape on either grid

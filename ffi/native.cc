@@ -33,13 +33,15 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "handlers.h"
+#include "../kernels/topk_split.h"
 
 #ifdef JAX_DG_CUDA
 #include <cuda_runtime.h>
 
 extern "C" int JaxDgTopkMaxK();
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
-                             int rows, int cols, int k, int sorted, int* out, cudaStream_t stream);
+                             int rows, int cols, int k, int sorted, int* out, void* scratch,
+                             int64_t scratch_bytes, cudaStream_t stream);
 extern "C" int JaxDgNegInfOutside(void* logits, int64_t stride, int elem_bytes, int rows, int cols,
                                   const int* lo, const int* hi, int relative, cudaStream_t stream);
 extern "C" int JaxDgZeroMaskedTail(void* d, int64_t row_bytes, int groups, int max_m,
@@ -98,7 +100,9 @@ void StartFromInputCpu(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
 // out[r] (int32 [rows, k]) = the columns of row r's k largest logits among lo[r] <= c <
 // min(hi[r], cols) with logits > -inf (NaN never), value descending then column ascending
 // (+0.0 above -0.0), or (unsorted) the same set in column order; -1 past the candidates.
-// logits float32 [R, S]: rows <= R, cols <= S (S is the row stride).
+// logits float32 [R, S]: rows <= R, cols <= S (S is the row stride). scratch: uint8 [rows,
+// jax_dg_topk::ScratchBytes(1, cols, k)] (kernels/topk_split.h; [rows, 0] where rows are not
+// split), for the CUDA kernel's long rows; the CPU does not touch it.
 
 struct Topk {
   const float* logits;
@@ -108,11 +112,14 @@ struct Topk {
   int rows, cols, k;
   bool sorted;
   int32_t* out;
+  void* scratch;
+  int64_t scratch_bytes;
 };
 
 ffi::Error PlanTopk(ffi::Buffer<ffi::F32, 2> logits, ffi::Buffer<ffi::S32, 1> lo,
-                    ffi::Buffer<ffi::S32, 1> hi, ffi::Buffer<ffi::S32, 2>& out, int64_t cols,
-                    bool sorted, bool has_lo, bool has_hi, Topk* p) {
+                    ffi::Buffer<ffi::S32, 1> hi, ffi::Buffer<ffi::S32, 2>& out,
+                    ffi::Buffer<ffi::U8, 2>& scratch, int64_t cols, bool sorted, bool has_lo,
+                    bool has_hi, Topk* p) {
   const char* name = "topk";
   auto ld = logits.dimensions(), od = out.dimensions();
   const int64_t rows = od[0], k = od[1];
@@ -134,7 +141,8 @@ ffi::Error PlanTopk(ffi::Buffer<ffi::F32, 2> logits, ffi::Buffer<ffi::S32, 1> lo
   }
   *p = Topk{logits.typed_data(), ld[1], has_lo ? lo.typed_data() : nullptr,
             has_hi ? hi.typed_data() : nullptr, static_cast<int>(rows), static_cast<int>(cols),
-            static_cast<int>(k), sorted, out.typed_data()};
+            static_cast<int>(k), sorted, out.typed_data(), scratch.untyped_data(),
+            static_cast<int64_t>(scratch.size_bytes())};
   return ffi::Error::Success();
 }
 
@@ -183,10 +191,11 @@ void TopkCpu(const Topk& p) {
 
 ffi::Error TopkCpuHandler(ffi::Buffer<ffi::F32, 2> logits, ffi::Buffer<ffi::S32, 1> lo,
                           ffi::Buffer<ffi::S32, 1> hi, ffi::ResultBuffer<ffi::S32, 2> out,
-                          int64_t cols, bool sorted, bool has_lo, bool has_hi) {
+                          ffi::ResultBuffer<ffi::U8, 2> scratch, int64_t cols, bool sorted,
+                          bool has_lo, bool has_hi) {
   Count();
   Topk p;
-  ffi::Error e = PlanTopk(logits, lo, hi, *out, cols, sorted, has_lo, has_hi, &p);
+  ffi::Error e = PlanTopk(logits, lo, hi, *out, *scratch, cols, sorted, has_lo, has_hi, &p);
   if (e.failure()) return e;
   return Guarded("topk", [&] { TopkCpu(p); });
 }
@@ -564,15 +573,17 @@ ffi::Error StartFromInputCuda(const char* kernel, const ffi::AnyBuffer& in,
 
 ffi::Error TopkCudaHandler(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> logits,
                            ffi::Buffer<ffi::S32, 1> lo, ffi::Buffer<ffi::S32, 1> hi,
-                           ffi::ResultBuffer<ffi::S32, 2> out, int64_t cols, bool sorted,
+                           ffi::ResultBuffer<ffi::S32, 2> out,
+                           ffi::ResultBuffer<ffi::U8, 2> scratch, int64_t cols, bool sorted,
                            bool has_lo, bool has_hi) {
   Count();
   Topk p;
-  ffi::Error e = PlanTopk(logits, lo, hi, *out, cols, sorted, has_lo, has_hi, &p);
+  ffi::Error e = PlanTopk(logits, lo, hi, *out, *scratch, cols, sorted, has_lo, has_hi, &p);
   if (e.failure()) return e;
   ClearStaleError();
   return CudaStatus("topk", JaxDgTopkRows(p.logits, p.stride, p.lo, p.hi, p.rows, p.cols, p.k,
-                                          p.sorted ? 1 : 0, p.out, stream));
+                                          p.sorted ? 1 : 0, p.out, p.scratch, p.scratch_bytes,
+                                          stream));
 }
 
 ffi::Error NegInfCudaHandler(cudaStream_t stream, ffi::AnyBuffer logits,
@@ -661,6 +672,7 @@ auto TopkBinding(B b) {
       .template Arg<ffi::Buffer<ffi::S32, 1>>()   // lo [rows] or [0]
       .template Arg<ffi::Buffer<ffi::S32, 1>>()   // hi [rows] or [0]
       .template Ret<ffi::Buffer<ffi::S32, 2>>()   // out [rows, k]
+      .template Ret<ffi::Buffer<ffi::U8, 2>>()    // scratch [rows, bytes a row] (long rows)
       .template Attr<int64_t>("cols")
       .template Attr<bool>("sorted")
       .template Attr<bool>("has_lo")
@@ -807,5 +819,7 @@ NB_MODULE(_native, m) {
   m.def("handlers", &Handlers);
   m.def("cuda_built", []() { return kCudaBuilt; });
   m.def("max_k", &MaxK);
+  m.def("topk_scratch_bytes", [](int64_t cols, int64_t k) { return jax_dg_topk::ScratchBytes(1, cols, k); },
+        "Scratch bytes a row the top-k's CUDA kernel splits rows of `cols` keys with (0: none).");
   m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
 }

@@ -29,9 +29,16 @@
 // tables): from 16384 keys, 64 keys a thread halve the CTAs a row needs (1.8x at [4096, 32768],
 // 2.6x at [64, 65536]).
 //
+// Rows of more than 32768 keys are split over independent CTAs where the caller gives a scratch
+// (kernels/topk_split.h: each chunk's top k as candidates, then the row's top k among them; two
+// launches of this kernel, its kChunks and kCandidates modes), except rows of 2 CTAs where a
+// cluster measured faster (JaxDgTopkSplits). At [256, 131072] the split is 1.23-1.45x the
+// cluster of 4 (H200, session 13).
+//
 // Candidates of row r: columns c with lo[r] <= c < hi[r] (all when lo/hi are null), c < cols,
 // and logits > -inf (NaN is not a candidate). Slots past the number of candidates get -1.
-// Rows longer than a cluster holds (8 * 512 * 64 = 262144 keys) go to kernels/topk_long.cu.
+// Rows longer than a cluster holds (8 * 512 * 64 = 262144 keys) and not split (their candidates
+// would not fit a CTA) go to kernels/topk_long.cu.
 
 #include <cooperative_groups.h>
 #include <cub/block/block_radix_rank.cuh>
@@ -39,6 +46,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cuda_runtime.h>
+
+#include "topk_split.h"
 
 namespace cg = cooperative_groups;
 
@@ -252,13 +261,95 @@ __device__ __forceinline__ void CopyAsyncWait() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// A row's candidate range [begin, end): begin <= end <= cols (no load past the row).
+// A candidate range [begin, end) of a grid row's columns: begin <= end <= its length (no load
+// past the row).
 struct Range {
   int begin, end;
 };
-__device__ __forceinline__ Range RowRange(const int* lo, const int* hi, int row, int cols) {
-  const int begin = lo ? min(max(lo[row], 0), cols) : 0;
-  return {begin, max(hi ? min(hi[row], cols) : cols, begin)};
+
+// What a launch's grid rows are (a template parameter: the plain rows' kernels carry no split
+// code). A long row split over independent CTAs (kernels/topk_split.h) takes two launches: the
+// first takes each chunk of a row as a grid row and writes the chunk's top k (column order) as
+// candidates, their values and columns; the second selects each row's top k among its candidates
+// and maps them back to columns.
+enum Mode { kRows = 0, kChunks = 1, kCandidates = 2 };
+struct Split {
+  int chunks = 1;             // kChunks: grid rows a logits row
+  int chunk_cols = 0;         // kChunks: columns a chunk (a multiple of 4: loads stay aligned)
+  float* vals = nullptr;      // kChunks: the chunk's selected values, -inf past them
+  const int* cols = nullptr;  // kCandidates: the candidates' columns, laid out as the logits
+};
+
+// Grid row `row`: where its logits start and its candidate range.
+struct Part {
+  const float* x;
+  Range r;
+};
+template <int kMode>
+__device__ __forceinline__ Part Locate(const float* logits, int64_t stride, const int* lo, const int* hi,
+                                       int row, int cols, const Split& s) {
+  if constexpr (kMode == kChunks) {
+    const int r = row / s.chunks, col0 = (row - r * s.chunks) * s.chunk_cols;
+    const int n = max(min(cols - col0, s.chunk_cols), 0);
+    // lo/hi clamped to the chunk before the shift (no overflow at INT_MIN / INT_MAX)
+    const int begin = lo ? min(max(lo[r], col0), col0 + n) - col0 : 0;
+    const int end = hi ? min(max(hi[r], col0), col0 + n) - col0 : n;
+    return {logits + static_cast<int64_t>(r) * stride + col0, {begin, max(end, begin)}};
+  } else {
+    const int begin = lo ? min(max(lo[row], 0), cols) : 0;
+    return {logits + static_cast<int64_t>(row) * stride, {begin, max(hi ? min(hi[row], cols) : cols, begin)}};
+  }
+}
+
+// Writes slots [0, k) of grid row `row`'s output from the selected columns (sh_col[0, selected),
+// in output order), -1 past them; a chunk's launch adds their values (read again from the row,
+// which L2 still holds: measured faster than keeping their keys in shared memory), a candidates'
+// launch maps candidates to columns.
+template <int kMode>
+__device__ __forceinline__ void WriteRow(const int* sh_col, int selected, int k, int row,
+                                         const float* logits, int64_t stride, const Split& s, int* out) {
+  int* o = out + static_cast<int64_t>(row) * k;
+  if constexpr (kMode == kRows) {
+    for (int t = threadIdx.x; t < k; t += kThreads) o[t] = t < selected ? sh_col[t] : -1;
+  } else {
+    // each thread's slots 4 at a time, read together and then written (one latency for the
+    // gathers)
+    constexpr int kBatch = 4;
+    const float* x = nullptr;   // kChunks: the chunk's first logit
+    int col0 = 0;
+    if constexpr (kMode == kChunks) {
+      const int r = row / s.chunks;
+      col0 = (row - r * s.chunks) * s.chunk_cols;
+      x = logits + static_cast<int64_t>(r) * stride + col0;
+    }
+#pragma unroll 1
+    for (int t0 = threadIdx.x; t0 < k; t0 += kBatch * kThreads) {
+      int c[kBatch];
+      float v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int t = t0 + i * kThreads;
+        c[i] = t < selected ? sh_col[t] : -1;
+        v[i] = -INFINITY;
+        if (c[i] >= 0) {
+          if constexpr (kMode == kChunks) {
+            v[i] = x[c[i]];
+            c[i] += col0;
+          } else {
+            c[i] = s.cols[static_cast<int64_t>(row) * stride + c[i]];
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int t = t0 + i * kThreads;
+        if (t < k) {
+          o[t] = c[i];
+          if constexpr (kMode == kChunks) s.vals[static_cast<int64_t>(row) * k + t] = v[i];
+        }
+      }
+    }
+  }
 }
 
 // Starts loading this thread's share of row `row` into its warp's part of the stage: a warp loads
@@ -453,10 +544,11 @@ __device__ __forceinline__ void RadixSort(S& sh, uint32_t prefix, int end_bit) {
 // thread (kThreads * kSortItems >= k); kCluster CTAs per row. vec: logits and stride allow
 // 16-byte loads. Cluster c takes rows c, c + clusters, ... (one row where the grid has a cluster a
 // row), loading the next one while it selects the current one.
-template <int kItems, int kSortItems, int kCluster>
+template <int kItems, int kSortItems, int kCluster, int kMode>
 __global__ void __launch_bounds__(kThreads, kItems <= 16 ? 2 : 1)
 TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restrict__ lo,
-           const int* __restrict__ hi, int rows, int cols, int k, bool vec, int* __restrict__ out) {
+           const int* __restrict__ hi, int rows, int cols, int k, bool vec, int* __restrict__ out,
+           Split split) {
   constexpr int kChunks = kItems / 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sh = *reinterpret_cast<Shared<kItems, kSortItems>*>(smem_raw);
@@ -474,8 +566,12 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     __syncthreads();
   }
   int row = static_cast<int>(blockIdx.x) / kCluster;
-  Range next = row < rows ? RowRange(lo, hi, row, cols) : Range{0, 0};
-  StartLoad<kItems>(stage, logits + static_cast<int64_t>(row) * stride, next, seg, lane, vec);
+  Range next{0, 0};
+  if (row < rows) {
+    const Part p = Locate<kMode>(logits, stride, lo, hi, row, cols, split);
+    next = p.r;
+    StartLoad<kItems>(stage, p.x, p.r, seg, lane, vec);
+  }
 #pragma unroll 1
   for (; row < rows; row += clusters) {
     const int begin = next.begin, end = next.end;
@@ -516,8 +612,9 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     const int next_row = row + clusters;
     __syncwarp();   // every lane has read the warp's stage
     if (next_row < rows) {
-      next = RowRange(lo, hi, next_row, cols);
-      StartLoad<kItems>(stage, logits + static_cast<int64_t>(next_row) * stride, next, seg, lane, vec);
+      const Part p = Locate<kMode>(logits, stride, lo, hi, next_row, cols, split);
+      next = p.r;
+      StartLoad<kItems>(stage, p.x, p.r, seg, lane, vec);
     }
     TOPK_MARK(1);   // keys made (and the next row's copies started)
 
@@ -633,13 +730,10 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
 
     // The cluster's first CTA gathers the selected columns (and keys, to sort), then writes the
     // row's output coalesced.
-    int* o = out + static_cast<int64_t>(row) * k;
     if constexpr (kSortItems == 0) {
       Sync<kCluster>();   // every slot is written (and peers are done reading sh.cta_total)
       TOPK_MARK(4);       // slots
-      if (rank == 0) {
-        for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sh.col[t] : -1;
-      }
+      if (rank == 0) WriteRow<kMode>(sh.col, selected, k, row, logits, stride, split, out);
     } else {
       constexpr int kSlots = kThreads * kSortItems;
       if (rank == 0) {
@@ -672,7 +766,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
           RadixSort<kSortItems>(sh, prefix, end_bit);
         }
         TOPK_MARK(5);   // the sort
-        for (int t = tid; t < k; t += kThreads) o[t] = t < selected ? sh.col[t] : -1;
+        WriteRow<kMode>(sh.col, selected, k, row, logits, stride, split, out);
       }
     }
     TOPK_MARK(6);   // the output written
@@ -690,10 +784,11 @@ constexpr int kPersistentClustersPerSm = 2;
 // grid: 0 one cluster a row; 1 persistent, kPersistentClustersPerSm clusters an SM, each taking
 // every so many rows; n > 1 persistent with n clusters (tuning, and few-row sanitizer runs that
 // still cross rows).
-template <int kItems, int kSortItems, int kCluster>
+// rows: the grid's rows (a split row's chunks each count).
+template <int kItems, int kSortItems, int kCluster, int kMode = kRows>
 int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, int rows, int cols,
-           int k, bool vec, int* out, int grid, cudaStream_t stream) {
-  auto* kernel = TopkKernel<kItems, kSortItems, kCluster>;
+           int k, bool vec, int* out, int grid, const Split& split, cudaStream_t stream) {
+  auto* kernel = TopkKernel<kItems, kSortItems, kCluster, kMode>;
   constexpr size_t smem = sizeof(Shared<kItems, kSortItems>);
   static const cudaError_t opted_in = [&] {   // above 48 KiB, once per instantiation
     return smem > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -721,18 +816,77 @@ int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, in
     clusters = std::min(rows, kPersistentClustersPerSm * sms);
   }
   config.gridDim = dim3(static_cast<unsigned>(clusters) * kCluster);
-  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, logits, stride, lo, hi, rows, cols, k, vec, out));
+  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, logits, stride, lo, hi, rows, cols, k, vec, out, split));
 }
 
-template <int kItems, int kCluster>
+template <int kItems, int kCluster, int kMode = kRows>
 int LaunchSorted(int sort_items, const float* logits, int64_t stride, const int* lo, const int* hi,
-                 int rows, int cols, int k, bool vec, int* out, int grid, cudaStream_t stream) {
+                 int rows, int cols, int k, bool vec, int* out, int grid, const Split& split,
+                 cudaStream_t stream) {
   switch (sort_items) {
-    case 0: return Launch<kItems, 0, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 1: return Launch<kItems, 1, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 2: return Launch<kItems, 2, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 4: return Launch<kItems, 4, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    default: return Launch<kItems, 8, kCluster>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
+    case 0: return Launch<kItems, 0, kCluster, kMode>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 1: return Launch<kItems, 1, kCluster, kMode>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 2: return Launch<kItems, 2, kCluster, kMode>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 4: return Launch<kItems, 4, kCluster, kMode>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    default: return Launch<kItems, 8, kCluster, kMode>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+  }
+}
+
+// A split's launch (one CTA a grid row): kChunks unsorted, kCandidates either.
+template <int kItems>
+int LaunchSplit(int mode, int sort_items, const float* logits, int64_t stride, const int* lo, const int* hi,
+                int rows, int cols, int k, bool vec, int* out, int grid, const Split& split,
+                cudaStream_t stream) {
+  if (mode == kChunks) {
+    return Launch<kItems, 0, 1, kChunks>(logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+  }
+  return LaunchSorted<kItems, 1, kCandidates>(sort_items, logits, stride, lo, hi, rows, cols, k, vec, out,
+                                              grid, split, stream);
+}
+
+// As JaxDgTopkRowsShaped, or a split's launch (mode; kChunks: split.chunks grid rows a logits row,
+// unsorted; one CTA a grid row).
+int RowsShaped(const float* logits, int64_t stride, const int* lo, const int* hi, int rows, int cols,
+               int k, int sorted, int* out, int items, int cluster_size, int grid, Mode mode,
+               const Split& split, cudaStream_t stream) {
+  const int64_t part = mode == kChunks ? split.chunk_cols : cols;   // a grid row's columns
+  if (mode != kRows && (cluster_size != 1 || (mode == kChunks && (sorted || split.chunks < 1)))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (k > kMaxK || grid < 0 || cluster_size < 1 || cluster_size > kMaxCluster ||
+      static_cast<int64_t>(items) * cluster_size * kThreads < part ||
+      (mode == kChunks && static_cast<int64_t>(rows) * split.chunks > INT32_MAX)) {
+    return static_cast<int>(cudaErrorInvalidValue);   // (and the switch below: built shapes only)
+  }
+  int s = 0;   // the sort's items per thread (0: unsorted)
+  if (sorted) {
+    s = 1;
+    while (s * kThreads < k) s *= 2;
+  }
+  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0 &&
+                   (mode != kChunks || split.chunk_cols % 4 == 0);
+  if (mode != kRows) {
+    if (mode == kChunks) rows *= split.chunks;
+    switch (items) {
+      case 8: return LaunchSplit<8>(mode, s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+      case 16: return LaunchSplit<16>(mode, s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+      case 32: return LaunchSplit<32>(mode, s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+      case 64: return LaunchSplit<64>(mode, s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+      default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+  }
+  switch (items * 16 + cluster_size) {
+    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 64 * 16 + 1: return LaunchSorted<64, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, split, stream);
+    default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }
 
@@ -758,7 +912,8 @@ extern "C" int JaxDgTopkPhases(unsigned long long* host) {
 // CTA beat 32 in a cluster of 2 by 1.6-1.8x (session 12: [4096, 32768] k 2048 396 us sorted, 276
 // unsorted, against 718 and 496; at 64 rows within 3 % either way); past 32768, 64 a thread
 // (at [64, 65536] k 2048: 64 x 2 CTAs 20 us, 32 x 4 52 us; at [256, 131072]: 64 x 4 232 us,
-// 32 x 8 545 us). Returns 0 when a row is too long for a cluster (the long-row kernel takes it).
+// 32 x 8 545 us; a split row, kernels/topk_split.h, beats both where JaxDgTopkSplits says).
+// Returns 0 when a row is too long for a cluster (the long-row kernel takes it).
 extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
   *items = cols <= 4096 ? 8 : cols <= 8192 ? 16 : cols <= 16384 ? 32 : 64;
   for (int c = 1; c <= kMaxCluster; c *= 2) {
@@ -771,41 +926,83 @@ extern "C" int JaxDgTopkShape(int cols, int* items, int* cluster_size) {
 }
 
 // As JaxDgTopkRows with the kernel's shape given (items x cluster_size: 8 x 1, 16 x 1, 32 x 1,
-// 2, 4 or 8, 64 x 1, 2, 4 or 8; their product times 512 >= cols) and the grid (0 one cluster a
-// row, 1 the persistent grid, n > 1 persistent with n clusters): for tuning and tests. Other
-// shapes, or grid < 0, give cudaErrorInvalidValue.
+// 2, 4 or 8, 64 x 1, 2, 4 or 8; their product times 512 >= cols), no split, and the grid (0 one
+// cluster a row, 1 the persistent grid, n > 1 persistent with n clusters): for tuning and tests.
+// Other shapes, or grid < 0, give cudaErrorInvalidValue.
 extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const int* lo,
                                    const int* hi, int rows, int cols, int k, int sorted, int* out,
                                    int items, int cluster_size, int grid, cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return 0;
-  if (k > kMaxK || grid < 0 || cluster_size < 1 || cluster_size > kMaxCluster ||
-      static_cast<int64_t>(items) * cluster_size * kThreads < cols) {
-    return static_cast<int>(cudaErrorInvalidValue);   // (and the switch below: built shapes only)
-  }
-  int s = 0;   // the sort's items per thread (0: unsorted)
-  if (sorted) {
-    s = 1;
-    while (s * kThreads < k) s *= 2;
-  }
-  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
-  switch (items * 16 + cluster_size) {
-    case 8 * 16 + 1: return LaunchSorted<8, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 16 * 16 + 1: return LaunchSorted<16, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 32 * 16 + 1: return LaunchSorted<32, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 32 * 16 + 2: return LaunchSorted<32, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 32 * 16 + 4: return LaunchSorted<32, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 32 * 16 + 8: return LaunchSorted<32, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 64 * 16 + 1: return LaunchSorted<64, 1>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 64 * 16 + 2: return LaunchSorted<64, 2>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 64 * 16 + 4: return LaunchSorted<64, 4>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    case 64 * 16 + 8: return LaunchSorted<64, 8>(s, logits, stride, lo, hi, rows, cols, k, vec, out, grid, stream);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return RowsShaped(logits, stride, lo, hi, rows, cols, k, sorted, out, items, cluster_size, grid, kRows,
+                    Split{}, stream);
 }
 
-// Launches on `stream`; returns a CUDA error code (0: success).
+// Rows split into chunks of at most chunk_cols keys (kernels/topk_split.h), two launches on
+// `stream`; scratch: jax_dg_topk::ScratchBytes(rows, cols, k, chunk_cols) bytes, 16-byte
+// aligned. cudaErrorInvalidValue where the rows would not be split. launches: 3 both, 1 the
+// first only, 2 the second only (on the scratch the first left: for timing each). For tuning,
+// and JaxDgTopkRows' long rows.
+extern "C" int JaxDgTopkRowsSplit(const float* logits, int64_t stride, const int* lo, const int* hi,
+                                  int rows, int cols, int k, int sorted, int* out, int chunk_cols,
+                                  void* scratch, int launches, cudaStream_t stream) {
+  if (rows <= 0 || k <= 0) return 0;
+  const int64_t chunks = jax_dg_topk::SplitChunks(cols, k, chunk_cols);
+  if (chunks == 0 || k > kMaxK || reinterpret_cast<uintptr_t>(scratch) % 16 != 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  Split first;   // each chunk's top k (column order), as candidates
+  first.chunks = static_cast<int>(chunks);
+  first.chunk_cols = static_cast<int>(jax_dg_topk::ChunkCols(cols, chunks));
+  first.vals = static_cast<float*>(scratch);
+  const int64_t candidates = chunks * k;   // a row's
+  int* cand_cols = reinterpret_cast<int*>(first.vals + rows * candidates);
+  int items = 0, cluster_size = 0;
+  JaxDgTopkShape(first.chunk_cols, &items, &cluster_size);   // fits one CTA (<= kChunkCols)
+  if (launches & 1) {
+    const int e = RowsShaped(logits, stride, lo, hi, rows, cols, k, 0, cand_cols, items, cluster_size, 1,
+                             kChunks, first, stream);
+    if (e != 0 || !(launches & 2)) return e;
+  }
+  Split second;   // the row's top k among its candidates (-inf past a chunk's: never taken)
+  second.cols = cand_cols;
+  JaxDgTopkShape(static_cast<int>(candidates), &items, &cluster_size);   // <= kMaxCandidates: one CTA
+  return RowsShaped(first.vals, candidates, nullptr, nullptr, rows, static_cast<int>(candidates), k,
+                    sorted, out, items, cluster_size, 1, kCandidates, second, stream);
+}
+
+// Whether JaxDgTopkRows splits [rows, cols] rows (given the scratch): 1 yes, 0 no, -(a CUDA
+// error) where the device could not be asked. Split where kernels/topk_split.h splits, except
+// rows that take a cluster of 2 (32769-65536 keys) unsorted, or sorted with every cluster running
+// at once (one CTA an SM): there the cluster's one launch beats the split's two (H200,
+// topk_shapes.cu `split`: unsorted [128, 65536] 0.85-0.99x, [2048, 40000] 0.97-1.07x; sorted
+// [64, 65536] 0.81-1.00x, [128, 65536] 1.00-1.13x). Rows of 4 or 8 CTAs: the split, 1.06-1.58x.
+extern "C" int JaxDgTopkSplits(int rows, int cols, int k, int sorted) {
+  if (jax_dg_topk::SplitChunks(cols, k) == 0) return 0;
+  int items = 0, cluster_size = 0;
+  if (!JaxDgTopkShape(cols, &items, &cluster_size) || cluster_size != 2) return 1;
+  if (!sorted) return 0;
+  int device = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return -static_cast<int>(e);
+  return 2 * static_cast<int64_t>(rows) > sms ? 1 : 0;
+}
+
+// Launches on `stream`; returns a CUDA error code (0: success). scratch: scratch_bytes of device
+// memory, 16-byte aligned, that rows of more than 32768 keys are split with where it holds
+// jax_dg_topk::ScratchBytes(rows, cols, k) (else they take a cluster a row).
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
-                             int rows, int cols, int k, int sorted, int* out, cudaStream_t stream) {
+                             int rows, int cols, int k, int sorted, int* out, void* scratch,
+                             int64_t scratch_bytes, cudaStream_t stream) {
+  const int64_t need = jax_dg_topk::ScratchBytes(rows, cols, k);
+  if (need > 0 && scratch_bytes >= need && reinterpret_cast<uintptr_t>(scratch) % 16 == 0) {
+    const int split = JaxDgTopkSplits(rows, cols, k, sorted);
+    if (split < 0) return -split;
+    if (split) {
+      return JaxDgTopkRowsSplit(logits, stride, lo, hi, rows, cols, k, sorted, out,
+                                static_cast<int>(jax_dg_topk::kChunkCols), scratch, 3, stream);
+    }
+  }
   int items = 0, cluster_size = 0;
   if (!JaxDgTopkShape(cols, &items, &cluster_size)) {
     return JaxDgTopkLongRows(logits, stride, lo, hi, rows, cols, k, sorted, out, stream);

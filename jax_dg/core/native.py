@@ -69,9 +69,15 @@ def topk(logits, lo, hi, *, k: int, cols: int, sorted: bool, rows: int | None = 
     rows = logits.shape[0] if rows is None else rows   # may be symbolic (jax.export)
     lo, has_lo = _optional(lo)
     hi, has_hi = _optional(hi)
-    call = jax.ffi.ffi_call(TARGETS["topk"], jax.ShapeDtypeStruct((rows, int(k)), jnp.int32),
+    # Rows over 32768 keys are split over independent CTAs on the GPU, their candidates kept in
+    # a scratch result (kernels/topk_split.h; zero bytes where not split): sized on every
+    # platform alike, so a program's shapes do not depend on where it was traced.
+    scratch = jax.ShapeDtypeStruct((rows, _native.topk_scratch_bytes(int(cols), int(k))), jnp.uint8)
+    call = jax.ffi.ffi_call(TARGETS["topk"],
+                            (jax.ShapeDtypeStruct((rows, int(k)), jnp.int32), scratch),
                             vmap_method="sequential")
-    return call(logits, lo, hi, cols=int(cols), sorted=bool(sorted), has_lo=has_lo, has_hi=has_hi)
+    out, _ = call(logits, lo, hi, cols=int(cols), sorted=bool(sorted), has_lo=has_lo, has_hi=has_hi)
+    return out
 
 
 def neg_inf_outside(logits, lo, hi, *, rows: int | None = None, cols: int,

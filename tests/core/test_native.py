@@ -413,6 +413,22 @@ def test_every_call_enters_a_native_handler_once():
     assert native.call_count() == calls + 4
 
 
+def test_topk_scratch_is_sized_for_split_rows_only():
+    """The top-k's scratch result (kernels/topk_split.h): float32 values and int32 columns of a
+    row's chunks * k candidates, past 32768 keys, where they fit one CTA (<= 32768); zero bytes
+    otherwise. The same on every platform (an exported program's shapes do not depend on it)."""
+    from jax_dg.core import _native
+    assert _native.topk_scratch_bytes(32768, 2048) == 0          # one CTA holds the row
+    assert _native.topk_scratch_bytes(32769, 2048) == 2 * 2048 * 8
+    assert _native.topk_scratch_bytes(131072, 4096) == 4 * 4096 * 8
+    assert _native.topk_scratch_bytes(262144, 4096) == 8 * 4096 * 8
+    assert _native.topk_scratch_bytes(270000, 4096) == 0         # 9 x 4096 candidates: not split
+    assert _native.topk_scratch_bytes(270000, 512) == 9 * 512 * 8
+    x = jnp.zeros((3, 40000), jnp.float32)
+    text = jax.jit(lambda x: native.topk(x, None, None, k=16, cols=40000, sorted=True)).lower(x).as_text()
+    assert "tensor<3x256xui8>" in text   # 2 chunks x 16 candidates x 8 bytes a row
+
+
 def test_module_facts():
     assert native.max_k() == 4096
     assert isinstance(native.cuda_built(), bool)
