@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, kItems <= 16 ? 2 : 1)
 TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restrict__ lo,
            const int* __restrict__ hi, int rows, int cols, int k, bool vec, int* __restrict__ out,
            Split split) {
-  constexpr int kChunks = kItems / 4;
+  constexpr int kQuads = kItems / 4;   // a thread's float4s
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sh = *reinterpret_cast<Shared<kItems, kSortItems>*>(smem_raw);
   const int tid = threadIdx.x;
@@ -559,7 +559,7 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
   const int lane = tid & 31;
   const int seg = rank * kThreads * kItems + (tid - lane) * kItems;   // the warp's first column
   const int first = seg + lane * kItems;                              // this thread's first
-  float4* stage = sh.stage + (tid - lane) * kChunks;
+  float4* stage = sh.stage + (tid - lane) * kQuads;
 
   if constexpr (kCluster == 1) {   // FindBin keeps them zeroed from here on
     for (int t = tid; t < 2 * kBins; t += kThreads) sh.hist[t / kBins][t % kBins] = 0;
@@ -588,8 +588,8 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
     // columns outside [begin, end) only where this thread's columns cross a bound
     if (first >= begin && first + kItems <= end) {   // no bound to check (most threads)
 #pragma unroll
-      for (int v = 0; v < kChunks; ++v) {
-        const int q = lane * kChunks + v;
+      for (int v = 0; v < kQuads; ++v) {
+        const int q = lane * kQuads + v;
         const float4 f4 = stage[q ^ ((q >> 3) & 7)];
         key[4 * v] = CandidateKey(f4.x);
         key[4 * v + 1] = CandidateKey(f4.y);
@@ -598,8 +598,8 @@ TopkKernel(const float* __restrict__ logits, int64_t stride, const int* __restri
       }
     } else {
 #pragma unroll
-      for (int v = 0; v < kChunks; ++v) {
-        const int q = lane * kChunks + v;
+      for (int v = 0; v < kQuads; ++v) {
+        const int q = lane * kQuads + v;
         const float4 f4 = stage[q ^ ((q >> 3) & 7)];
         const float f[4] = {f4.x, f4.y, f4.z, f4.w};
 #pragma unroll
