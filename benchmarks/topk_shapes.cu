@@ -44,7 +44,8 @@ extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo,
 extern "C" int JaxDgTopkSplits(int rows, int cols, int k, int sorted);
 extern "C" int JaxDgTopkRowsSplit(const float* logits, int64_t stride, const int* lo, const int* hi,
                                   int rows, int cols, int k, int sorted, int* out, int chunk_cols,
-                                  void* scratch, int launches, cudaStream_t stream);
+                                  void* scratch, int64_t scratch_bytes, int launches,
+                                  cudaStream_t stream);
 #ifdef TOPK_PHASES
 extern "C" int JaxDgTopkPhases(unsigned long long* host);
 #endif
@@ -219,26 +220,34 @@ int main(int argc, char** argv) {
     const int rows = std::atoi(argv[2]), cols = std::atoi(argv[3]), k = std::atoi(argv[4]);
     const int sorted = std::atoi(argv[5]);
     const int64_t chunks = (cols + 32767) / 32768;
+    if (chunks < 2 || chunks * k > 32768) {
+      std::printf("split rows %d cols %d k %d: not a split shape\n", rows, cols, k);
+      return 1;
+    }
+    // the split's two launches' work as plain top-k: [rows * chunks, part] unsorted (the chunks'
+    // columns, from the same buffer, sized for them), then [rows, chunks * k] (random logits in
+    // place of the candidates' values)
+    const int part = int(((cols + chunks - 1) / chunks + 3) / 4 * 4);   // jax_dg_topk::ChunkCols
     float* x;
     int* out;
-    CHECK(cudaMalloc(&x, int64_t(rows) * cols * 4));
+    CHECK(cudaMalloc(&x, std::max<int64_t>(int64_t(rows) * cols, rows * chunks * part) * 4));
     CHECK(cudaMalloc(&out, int64_t(rows) * chunks * k * 4));
-    Fill<<<1024, 256>>>(x, int64_t(rows) * cols, 99, 0);
+    Fill<<<1024, 256>>>(x, std::max<int64_t>(int64_t(rows) * cols, rows * chunks * part), 99, 0);
     Scratch(rows);
     int items = 0, cluster = 0;
     CHECK(JaxDgTopkShape(cols, &items, &cluster) ? 0 : 1);
-    auto split = [&] { JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, 3, 0); };
-    auto split1 = [&] { JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, 1, 0); };
-    auto split2 = [&] { JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, 2, 0); };
+    auto split = [&] { return JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, g_scratch_bytes, 3, 0); };
+    auto split1 = [&] { return JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, g_scratch_bytes, 1, 0); };
+    auto split2 = [&] { return JaxDgTopkRowsSplit(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, 32768, g_scratch, g_scratch_bytes, 2, 0); };
     auto clustered = [&] {
-      JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, items, cluster, !sorted, 0);
+      return JaxDgTopkRowsShaped(x, cols, nullptr, nullptr, rows, cols, k, sorted, out, items, cluster, !sorted, 0);
     };
-    // the split's two launches' work as plain top-k: [rows * chunks, cols / chunks] unsorted, then
-    // [rows, chunks * k] (random logits in place of the candidates' values)
-    const int part = int((cols / chunks + 3) / 4 * 4);
-    auto first = [&] { Topk(x, int(rows * chunks), part, k, 0, out); };
-    auto second = [&] { Topk(x, rows, int(chunks * k), k, sorted, out); };
-    split(), clustered(), first(), second();
+    auto first = [&] { return Topk(x, int(rows * chunks), part, k, 0, out); };
+    auto second = [&] { return Topk(x, rows, int(chunks * k), k, sorted, out); };
+    CHECK(split());
+    CHECK(clustered());
+    CHECK(first());
+    CHECK(second());
     CHECK(cudaDeviceSynchronize());
     const float a = TimeUs(20, split), b = TimeUs(20, clustered), c = TimeUs(20, first), d = TimeUs(20, second);
     const float a1 = TimeUs(20, split1), a2 = TimeUs(20, split2);
@@ -342,7 +351,8 @@ int main(int argc, char** argv) {
           }
           for (int chunk : {8192, 16384, 32768}) {   // a split row's chunk sizes (the default: 32768)
             if (cs.cols <= 32768) break;
-            const int rc = JaxDgTopkRowsSplit(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, chunk, g_scratch, 3, 0);
+            const int rc = JaxDgTopkRowsSplit(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, chunk, g_scratch,
+                                              g_scratch_bytes, 3, 0);
             if (rc == cudaErrorInvalidValue) continue;   // not split (too many candidates)
             CHECK(rc);
             CHECK(cudaDeviceSynchronize());
@@ -355,7 +365,8 @@ int main(int argc, char** argv) {
             }
             if (small) continue;
             const float us = TimeUs(20, [&] {
-              JaxDgTopkRowsSplit(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, chunk, g_scratch, 3, 0);
+              JaxDgTopkRowsSplit(x, cs.cols, nullptr, nullptr, cs.rows, cs.cols, k, sorted, out, chunk, g_scratch,
+                                 g_scratch_bytes, 3, 0);
             });
             std::printf("%58s (split, chunks <= %5d): %8.1f us\n", "", chunk, us);
           }

@@ -101,8 +101,8 @@ void StartFromInputCpu(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
 // min(hi[r], cols) with logits > -inf (NaN never), value descending then column ascending
 // (+0.0 above -0.0), or (unsorted) the same set in column order; -1 past the candidates.
 // logits float32 [R, S]: rows <= R, cols <= S (S is the row stride). scratch: uint8 [rows,
-// jax_dg_topk::ScratchBytes(1, cols, k)] (kernels/topk_split.h; [rows, 0] where rows are not
-// split), for the CUDA kernel's long rows; the CPU does not touch it.
+// jax_dg_topk::ScratchBytes(1, cols, k, sorted)] (kernels/topk_split.h; [rows, 0] where rows are
+// never split), for the CUDA kernel's long rows; the CPU does not touch it.
 
 struct Topk {
   const float* logits;
@@ -138,6 +138,12 @@ ffi::Error PlanTopk(ffi::Buffer<ffi::F32, 2> logits, ffi::Buffer<ffi::S32, 1> lo
   if (has_hi && static_cast<int64_t>(hi.element_count()) < rows) {
     return Invalid(name, "hi has " + std::to_string(hi.element_count()) + " elements, rows = " +
                              std::to_string(rows));
+  }
+  auto sd = scratch.dimensions();
+  const int64_t scratch_row = jax_dg_topk::ScratchBytes(1, cols, k, sorted);
+  if (sd[0] != rows || sd[1] != scratch_row) {   // the shape rule (jax_dg.core.native.topk)
+    return Invalid(name, "scratch " + Dims(sd) + ", expected [" + std::to_string(rows) + ", " +
+                             std::to_string(scratch_row) + "]");
   }
   *p = Topk{logits.typed_data(), ld[1], has_lo ? lo.typed_data() : nullptr,
             has_hi ? hi.typed_data() : nullptr, static_cast<int>(rows), static_cast<int>(cols),
@@ -819,7 +825,9 @@ NB_MODULE(_native, m) {
   m.def("handlers", &Handlers);
   m.def("cuda_built", []() { return kCudaBuilt; });
   m.def("max_k", &MaxK);
-  m.def("topk_scratch_bytes", [](int64_t cols, int64_t k) { return jax_dg_topk::ScratchBytes(1, cols, k); },
-        "Scratch bytes a row the top-k's CUDA kernel splits rows of `cols` keys with (0: none).");
+  m.def(
+      "topk_scratch_bytes",
+      [](int64_t cols, int64_t k, bool sorted) { return jax_dg_topk::ScratchBytes(1, cols, k, sorted); },
+      "Scratch bytes a row the top-k's CUDA kernel splits rows of `cols` keys with (0: never split).");
   m.def("call_count", []() { return g_calls.load(std::memory_order_relaxed); });
 }

@@ -31,9 +31,9 @@
 //
 // Rows of more than 32768 keys are split over independent CTAs where the caller gives a scratch
 // (kernels/topk_split.h: each chunk's top k as candidates, then the row's top k among them; two
-// launches of this kernel, its kChunks and kCandidates modes), except rows of 2 CTAs where a
-// cluster measured faster (JaxDgTopkSplits). At [256, 131072] the split is 1.23-1.45x the
-// cluster of 4 (H200, session 13).
+// launches of this kernel, its kChunks and kCandidates modes), except rows of 2 CTAs unsorted, or
+// sorted with all their clusters running at once, where a cluster measured faster
+// (JaxDgTopkSplits). At [256, 131072] the split is 1.06-1.45x the cluster of 4 (H200, session 13).
 //
 // Candidates of row r: columns c with lo[r] <= c < hi[r] (all when lo/hi are null), c < cols,
 // and logits > -inf (NaN is not a candidate). Slots past the number of candidates get -1.
@@ -274,10 +274,10 @@ struct Range {
 // and maps them back to columns.
 enum Mode { kRows = 0, kChunks = 1, kCandidates = 2 };
 struct Split {
-  int chunks = 1;             // kChunks: grid rows a logits row
-  int chunk_cols = 0;         // kChunks: columns a chunk (a multiple of 4: loads stay aligned)
-  float* vals = nullptr;      // kChunks: the chunk's selected values, -inf past them
-  const int* cols = nullptr;  // kCandidates: the candidates' columns, laid out as the logits
+  int chunks = 0;                  // kChunks: grid rows a logits row
+  int chunk_cols = 0;              // kChunks: columns a chunk (jax_dg_topk::ChunkCols: a multiple of 4)
+  float* vals = nullptr;           // kChunks: the chunk's selected values, -inf past them
+  const int* cand_cols = nullptr;  // kCandidates: the candidates' columns, laid out as the logits
 };
 
 // Grid row `row`: where its logits start and its candidate range.
@@ -289,7 +289,7 @@ template <int kMode>
 __device__ __forceinline__ Part Locate(const float* logits, int64_t stride, const int* lo, const int* hi,
                                        int row, int cols, const Split& s) {
   if constexpr (kMode == kChunks) {
-    const int r = row / s.chunks, col0 = (row - r * s.chunks) * s.chunk_cols;
+    const int r = row / s.chunks, col0 = (row - r * s.chunks) * s.chunk_cols;   // (as WriteRow)
     const int n = max(min(cols - col0, s.chunk_cols), 0);
     // lo/hi clamped to the chunk before the shift (no overflow at INT_MIN / INT_MAX)
     const int begin = lo ? min(max(lo[r], col0), col0 + n) - col0 : 0;
@@ -317,7 +317,7 @@ __device__ __forceinline__ void WriteRow(const int* sh_col, int selected, int k,
     constexpr int kBatch = 4;
     const float* x = nullptr;   // kChunks: the chunk's first logit
     int col0 = 0;
-    if constexpr (kMode == kChunks) {
+    if constexpr (kMode == kChunks) {   // (as Locate)
       const int r = row / s.chunks;
       col0 = (row - r * s.chunks) * s.chunk_cols;
       x = logits + static_cast<int64_t>(r) * stride + col0;
@@ -336,7 +336,7 @@ __device__ __forceinline__ void WriteRow(const int* sh_col, int selected, int k,
             v[i] = x[c[i]];
             c[i] += col0;
           } else {
-            c[i] = s.cols[static_cast<int64_t>(row) * stride + c[i]];
+            c[i] = s.cand_cols[static_cast<int64_t>(row) * stride + c[i]];
           }
         }
       }
@@ -375,7 +375,7 @@ __device__ __forceinline__ void StartLoad(float4* stage, const float* x, Range r
     const int c = seg + 4 * q;
     float4* dst = stage + (q ^ ((q >> 3) & 7));
     if (c < r.end && c + 4 > r.begin) {
-      if (vec) {   // c + 3 < stride: c < cols <= stride, both multiples of 4
+      if (vec) {   // c + 3 < stride: c (in a chunk, col0 + c) < cols <= stride, both multiples of 4
         CopyAsync16(dst, x + c);
       } else {
 #pragma unroll
@@ -863,8 +863,8 @@ int RowsShaped(const float* logits, int64_t stride, const int* lo, const int* hi
     s = 1;
     while (s * kThreads < k) s *= 2;
   }
-  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0 &&
-                   (mode != kChunks || split.chunk_cols % 4 == 0);
+  // (a chunk starts at a multiple of 4 columns: jax_dg_topk::ChunkCols)
+  const bool vec = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
   if (mode != kRows) {
     if (mode == kChunks) rows *= split.chunks;
     switch (items) {
@@ -937,17 +937,21 @@ extern "C" int JaxDgTopkRowsShaped(const float* logits, int64_t stride, const in
                     Split{}, stream);
 }
 
-// Rows split into chunks of at most chunk_cols keys (kernels/topk_split.h), two launches on
-// `stream`; scratch: jax_dg_topk::ScratchBytes(rows, cols, k, chunk_cols) bytes, 16-byte
-// aligned. cudaErrorInvalidValue where the rows would not be split. launches: 3 both, 1 the
-// first only, 2 the second only (on the scratch the first left: for timing each). For tuning,
-// and JaxDgTopkRows' long rows.
+// Rows split into chunks of at most chunk_cols keys (<= 32768: a chunk is one CTA;
+// kernels/topk_split.h), two launches on `stream`. scratch: scratch_bytes of device memory,
+// 16-byte aligned, at least jax_dg_topk::ScratchBytesOfChunks(rows, cols, k, chunk_cols).
+// launches: 3 both, 1 the first only, 2 the second only (on the scratch the first left: for
+// timing each). cudaErrorInvalidValue where the rows would not be split, or for a scratch too
+// small. For tuning, and JaxDgTopkRows' long rows.
 extern "C" int JaxDgTopkRowsSplit(const float* logits, int64_t stride, const int* lo, const int* hi,
                                   int rows, int cols, int k, int sorted, int* out, int chunk_cols,
-                                  void* scratch, int launches, cudaStream_t stream) {
+                                  void* scratch, int64_t scratch_bytes, int launches,
+                                  cudaStream_t stream) {
   if (rows <= 0 || k <= 0) return 0;
   const int64_t chunks = jax_dg_topk::SplitChunks(cols, k, chunk_cols);
-  if (chunks == 0 || k > kMaxK || reinterpret_cast<uintptr_t>(scratch) % 16 != 0) {
+  if (chunks == 0 || k > kMaxK || chunk_cols > jax_dg_topk::kChunkCols || launches < 1 || launches > 3 ||
+      reinterpret_cast<uintptr_t>(scratch) % 16 != 0 ||
+      scratch_bytes < jax_dg_topk::ScratchBytesOfChunks(rows, cols, k, chunk_cols)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   Split first;   // each chunk's top k (column order), as candidates
@@ -957,30 +961,28 @@ extern "C" int JaxDgTopkRowsSplit(const float* logits, int64_t stride, const int
   const int64_t candidates = chunks * k;   // a row's
   int* cand_cols = reinterpret_cast<int*>(first.vals + rows * candidates);
   int items = 0, cluster_size = 0;
-  JaxDgTopkShape(first.chunk_cols, &items, &cluster_size);   // fits one CTA (<= kChunkCols)
+  JaxDgTopkShape(first.chunk_cols, &items, &cluster_size);   // always fits: one CTA (<= kChunkCols)
   if (launches & 1) {
     const int e = RowsShaped(logits, stride, lo, hi, rows, cols, k, 0, cand_cols, items, cluster_size, 1,
                              kChunks, first, stream);
     if (e != 0 || !(launches & 2)) return e;
   }
   Split second;   // the row's top k among its candidates (-inf past a chunk's: never taken)
-  second.cols = cand_cols;
-  JaxDgTopkShape(static_cast<int>(candidates), &items, &cluster_size);   // <= kMaxCandidates: one CTA
+  second.cand_cols = cand_cols;
+  JaxDgTopkShape(static_cast<int>(candidates), &items, &cluster_size);   // always fits: <= kMaxCandidates
   return RowsShaped(first.vals, candidates, nullptr, nullptr, rows, static_cast<int>(candidates), k,
                     sorted, out, items, cluster_size, 1, kCandidates, second, stream);
 }
 
-// Whether JaxDgTopkRows splits [rows, cols] rows (given the scratch): 1 yes, 0 no, -(a CUDA
-// error) where the device could not be asked. Split where kernels/topk_split.h splits, except
-// rows that take a cluster of 2 (32769-65536 keys) unsorted, or sorted with every cluster running
-// at once (one CTA an SM): there the cluster's one launch beats the split's two (H200,
-// topk_shapes.cu `split`: unsorted [128, 65536] 0.85-0.99x, [2048, 40000] 0.97-1.07x; sorted
-// [64, 65536] 0.81-1.00x, [128, 65536] 1.00-1.13x). Rows of 4 or 8 CTAs: the split, 1.06-1.58x.
+// Whether JaxDgTopkRows splits [rows, cols] rows given the scratch: 1 yes, 0 no, -(a CUDA error)
+// where the device could not be asked. Where kernels/topk_split.h gives a scratch, except sorted
+// rows of 2 chunks whose clusters of 2 would all run at once (2 x rows <= SMs, one CTA an SM):
+// there the cluster's one launch beats the split's two (H200, topk_shapes.cu `split`: sorted
+// [64, 65536] 0.81-1.00x for the split, [128, 65536] 1.00-1.13x; rows of 4 or 8 chunks
+// 1.06-1.58x).
 extern "C" int JaxDgTopkSplits(int rows, int cols, int k, int sorted) {
-  if (jax_dg_topk::SplitChunks(cols, k) == 0) return 0;
-  int items = 0, cluster_size = 0;
-  if (!JaxDgTopkShape(cols, &items, &cluster_size) || cluster_size != 2) return 1;
-  if (!sorted) return 0;
+  const int64_t chunks = jax_dg_topk::SplitChunksFor(cols, k, sorted != 0);
+  if (chunks != 2) return chunks > 0 ? 1 : 0;
   int device = 0, sms = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -990,17 +992,19 @@ extern "C" int JaxDgTopkSplits(int rows, int cols, int k, int sorted) {
 
 // Launches on `stream`; returns a CUDA error code (0: success). scratch: scratch_bytes of device
 // memory, 16-byte aligned, that rows of more than 32768 keys are split with where it holds
-// jax_dg_topk::ScratchBytes(rows, cols, k) (else they take a cluster a row).
+// jax_dg_topk::ScratchBytes(rows, cols, k, sorted) and JaxDgTopkSplits says so (else they take a
+// cluster a row, or the long-row kernel).
 extern "C" int JaxDgTopkRows(const float* logits, int64_t stride, const int* lo, const int* hi,
                              int rows, int cols, int k, int sorted, int* out, void* scratch,
                              int64_t scratch_bytes, cudaStream_t stream) {
-  const int64_t need = jax_dg_topk::ScratchBytes(rows, cols, k);
+  const int64_t need = jax_dg_topk::ScratchBytes(rows, cols, k, sorted != 0);
   if (need > 0 && scratch_bytes >= need && reinterpret_cast<uintptr_t>(scratch) % 16 == 0) {
     const int split = JaxDgTopkSplits(rows, cols, k, sorted);
     if (split < 0) return -split;
     if (split) {
       return JaxDgTopkRowsSplit(logits, stride, lo, hi, rows, cols, k, sorted, out,
-                                static_cast<int>(jax_dg_topk::kChunkCols), scratch, 3, stream);
+                                static_cast<int>(jax_dg_topk::kChunkCols), scratch, scratch_bytes, 3,
+                                stream);
     }
   }
   int items = 0, cluster_size = 0;

@@ -70,9 +70,10 @@ def topk(logits, lo, hi, *, k: int, cols: int, sorted: bool, rows: int | None = 
     lo, has_lo = _optional(lo)
     hi, has_hi = _optional(hi)
     # Rows over 32768 keys are split over independent CTAs on the GPU, their candidates kept in
-    # a scratch result (kernels/topk_split.h; zero bytes where not split): sized on every
-    # platform alike, so a program's shapes do not depend on where it was traced.
-    scratch = jax.ShapeDtypeStruct((rows, _native.topk_scratch_bytes(int(cols), int(k))), jnp.uint8)
+    # a scratch result (kernels/topk_split.h; zero bytes where rows are never split): sized on
+    # every platform alike, so a program's shapes do not depend on where it was traced.
+    per_row = _native.topk_scratch_bytes(int(cols), int(k), bool(sorted))
+    scratch = jax.ShapeDtypeStruct((rows, per_row), jnp.uint8)
     call = jax.ffi.ffi_call(TARGETS["topk"],
                             (jax.ShapeDtypeStruct((rows, int(k)), jnp.int32), scratch),
                             vmap_method="sequential")

@@ -416,17 +416,34 @@ def test_every_call_enters_a_native_handler_once():
 def test_topk_scratch_is_sized_for_split_rows_only():
     """The top-k's scratch result (kernels/topk_split.h): float32 values and int32 columns of a
     row's chunks * k candidates, past 32768 keys, where they fit one CTA (<= 32768); zero bytes
-    otherwise. The same on every platform (an exported program's shapes do not depend on it)."""
+    where rows are never split (one chunk, too many candidates, unsorted rows of 2 chunks: a
+    cluster of 2 measured faster). The same on every platform (an exported program's shapes do
+    not depend on it)."""
     from jax_dg.core import _native
-    assert _native.topk_scratch_bytes(32768, 2048) == 0          # one CTA holds the row
-    assert _native.topk_scratch_bytes(32769, 2048) == 2 * 2048 * 8
-    assert _native.topk_scratch_bytes(131072, 4096) == 4 * 4096 * 8
-    assert _native.topk_scratch_bytes(262144, 4096) == 8 * 4096 * 8
-    assert _native.topk_scratch_bytes(270000, 4096) == 0         # 9 x 4096 candidates: not split
-    assert _native.topk_scratch_bytes(270000, 512) == 9 * 512 * 8
+    sizes = {(32768, 2048, True): 0,                      # one CTA holds the row
+             (32769, 2048, True): 2 * 2048 * 8,
+             (65536, 2048, False): 0,                     # 2 chunks unsorted: the cluster
+             (65537, 2048, False): 3 * 2048 * 8,
+             (131072, 4096, True): 4 * 4096 * 8,
+             (262144, 4096, False): 8 * 4096 * 8,
+             (270000, 4096, True): 0,                     # 9 x 4096 candidates: not split
+             (270000, 512, False): 9 * 512 * 8}
+    for (cols, k, srt), size in sizes.items():
+        assert _native.topk_scratch_bytes(cols, k, srt) == size, (cols, k, srt)
     x = jnp.zeros((3, 40000), jnp.float32)
     text = jax.jit(lambda x: native.topk(x, None, None, k=16, cols=40000, sorted=True)).lower(x).as_text()
     assert "tensor<3x256xui8>" in text   # 2 chunks x 16 candidates x 8 bytes a row
+
+
+def test_topk_scratch_of_another_size_is_refused():
+    """The handler checks the scratch against the shape rule (a custom call made by hand)."""
+    x = put(jnp.zeros((3, 40000), jnp.float32), cpu())
+    none = jnp.zeros((0,), I32)
+    call = jax.ffi.ffi_call(native.TARGETS["topk"], (jax.ShapeDtypeStruct((3, 16), I32),
+                                                     jax.ShapeDtypeStruct((3, 8), jnp.uint8)))
+    f = jax.jit(lambda x: call(x, none, none, cols=40000, sorted=True, has_lo=False, has_hi=False))
+    with pytest.raises(Exception, match=re.escape("scratch [3, 8], expected [3, 256]")):
+        jax.block_until_ready(f(x))
 
 
 def test_module_facts():

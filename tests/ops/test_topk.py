@@ -248,11 +248,12 @@ def test_gpu_kernel_equals_lax_top_k_and_torch_topk(keys, n, k):
 @pytest.mark.parametrize("n", [1000, 4097, 8191, 12289, 30001, 65536, 140000, 270000])
 def test_gpu_every_kernel_shape_equals_the_cpu_twin(keys, n):
     """Each of kernels/topk.cu's shapes (8, 16, 32, 64 keys a thread), its scalar loads (a row
-    stride that is not a multiple of 4), rows split over independent CTAs past 32768 keys
-    (kernels/topk_split.h: ranges cut at chunk edges, chunks without candidates, ties across
-    chunks) and the long-row kernel where a split's candidates would not fit a CTA (270000 keys,
-    k 4096): tricky values, random ranges, k from 1 to 4096, sorted and not, equal to the CPU
-    twin. (The cluster shapes, 1-8 CTAs a row, are compared on every row by topk_shapes.cu.)"""
+    stride that is not a multiple of 4), a cluster of 2 (65536 keys: 8 rows), rows split over
+    independent CTAs (140000 and 270000 keys: ranges cut at chunk edges, chunks without
+    candidates, ties across chunks) and the long-row kernel where a split's candidates would not
+    fit a CTA (270000 keys, k 4096): tricky values, random ranges, k from 1 to 4096, sorted and
+    not, equal to the CPU twin. (Clusters of 4 and 8, which split rows replaced, are compared on
+    every row by topk_shapes.cu.)"""
     from jax_dg.core import native
     assert native.cuda_built(), "jax_dg's CUDA kernels were not built"
     m = 8
@@ -271,9 +272,9 @@ def test_gpu_rows_past_one_persistent_grid_equal_the_cpu_twin(keys, n):
     """More rows than one persistent grid has clusters (2 an SM): where JaxDgTopkRows picks that
     grid (unsorted rows, and sorted rows of one CTA: all of these) a CTA selects several rows,
     loading the next one while it selects the current one; sorted rows split over a cluster take
-    a cluster a row. Rows of 40000 keys are split in two chunks (kernels/topk_split.h): both
-    launches cross rows. (topk_shapes.cu compares both grids on every default shape, sorted and
-    not.)"""
+    a cluster a row. Sorted rows of 40000 keys are split in two chunks (kernels/topk_split.h:
+    700 rows, more clusters of 2 than SMs), both launches crossing rows; unsorted ones take a
+    cluster of 2. (topk_shapes.cu compares both grids on every default shape, sorted and not.)"""
     m = 700
     x = tricky_logits(keys, m, n, levels=3)
     x = x.at[m // 2:].set(jax.random.normal(keys(), (m - m // 2, n)))   # rows without ties too
