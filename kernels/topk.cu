@@ -784,6 +784,14 @@ constexpr int kPersistentClustersPerSm = 2;
 // grid: 0 one cluster a row; 1 persistent, kPersistentClustersPerSm clusters an SM, each taking
 // every so many rows; n > 1 persistent with n clusters (tuning, and few-row sanitizer runs that
 // still cross rows).
+// The current device's SM count (host work only: capture-safe).
+cudaError_t SmCount(int* sms) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  return e;
+}
+
 // rows: the grid's rows (a split row's chunks each count).
 template <int kItems, int kSortItems, int kCluster, int kMode = kRows>
 int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, int rows, int cols,
@@ -809,9 +817,8 @@ int Launch(const float* logits, int64_t stride, const int* lo, const int* hi, in
   config.numAttrs = kCluster > 1 ? 1 : 0;
   int clusters = grid > 1 ? std::min(rows, grid) : rows;
   if (grid == 1) {
-    int device = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    int sms = 0;
+    const cudaError_t e = SmCount(&sms);
     if (e != cudaSuccess) return static_cast<int>(e);
     clusters = std::min(rows, kPersistentClustersPerSm * sms);
   }
@@ -983,9 +990,8 @@ extern "C" int JaxDgTopkRowsSplit(const float* logits, int64_t stride, const int
 extern "C" int JaxDgTopkSplits(int rows, int cols, int k, int sorted) {
   const int64_t chunks = jax_dg_topk::SplitChunksFor(cols, k, sorted != 0);
   if (chunks != 2) return chunks > 0 ? 1 : 0;
-  int device = 0, sms = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int sms = 0;
+  const cudaError_t e = SmCount(&sms);
   if (e != cudaSuccess) return -static_cast<int>(e);
   return 2 * static_cast<int64_t>(rows) > sms ? 1 : 0;
 }
