@@ -7,13 +7,14 @@ a missing kernel is an error that names it and says how to get it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
 import os
 import re
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 INSTALL_HINT = (
     "Install DeepGEMM built for your torch (e.g. `pip install deep_gemm` from "
@@ -73,48 +74,73 @@ ADAPTED: dict[str, tuple[str, Callable[[Callable], Callable]]] = {
 }
 
 
-def takes_keyword(fn: Callable, name: str) -> bool | None:
-    """Whether `fn` takes the keyword argument `name`: from its signature, else from the
-    signature line pybind11 writes first in its docstring ("f(a: T, name: bool = True) -> R");
-    None when neither says (an overloaded pybind11 function, no docstring)."""
+def keywords(fn: Callable) -> frozenset[str] | None:
+    """The keyword arguments `fn` takes: from its signature, else from the signature line
+    pybind11 writes first in its docstring ("f(a: T, name: bool = True) -> R"); None when
+    neither says (an overloaded pybind11 function, no docstring, **kwargs)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):   # pybind11 builtins have no inspectable signature
         params = None
     if params is not None:
-        return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return None
+        return frozenset(n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL)
     lines = (getattr(fn, "__doc__", None) or "").strip().splitlines()
     found = re.match(r"\s*[\w.]+\((.*)\)\s*(->.*)?$", lines[0]) if lines else None
     if found is None:
         return None
-    return re.search(rf"(^|[\s,(]){re.escape(name)}\s*[:=]", found.group(1)) is not None
+    return frozenset(re.findall(r"(?:^|[\s,(])(\w+)\s*[:=]", found.group(1)))
 
 
-def _adapt_mqa_logits_clean(fn: Callable) -> Callable:
-    # DeepGEMM >= 2.8 dropped `clean_logits` from fp8_fp4_mqa_logits (max_seqlen_k moved to the
-    # 6th place): keep 2.5's keyword call and drop the argument where the kernel has none. jax_dg
-    # masks invalid positions itself, so whether such a DeepGEMM cleans changes nothing read.
-    takes = takes_keyword(fn, "clean_logits")
-    if takes:
-        return fn
+def takes_keyword(fn: Callable, name: str) -> bool | None:
+    """Whether `fn` takes the keyword argument `name` (None: its signature is unknown)."""
+    names = keywords(fn)
+    return None if names is None else name in names
 
-    @functools.wraps(fn)
-    def call(q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0, logits_dtype=None):
-        kw = {"max_seqlen_k": max_seqlen_k}
-        if logits_dtype is not None:
-            kw["logits_dtype"] = logits_dtype
-        if takes is None:   # unknown: 2.5's form first, pybind11's TypeError means "not this one"
-            try:
-                return fn(q, kv, weights, ks, ke, clean_logits=clean_logits, **kw)
-            except TypeError:
-                pass
-        return fn(q, kv, weights, ks, ke, **kw)
-    return call
 
+def _without(fixed: dict[str, tuple[str, ...]]) -> Callable[[Callable], Callable]:
+    """An adapter for a kernel whose newer DeepGEMM dropped keywords that jax_dg passes in 2.5's
+    call: `fixed` maps each to the values that mean what the newer kernel always does (e.g.
+    clean_logits=False: DeepGEMM >= 2.8 never cleans). A dropped keyword with another value is
+    an error: the trace side plans around what the installed DeepGEMM lacks (Api), so it never
+    reaches here."""
+    def adapt(fn: Callable) -> Callable:
+        names = keywords(fn)
+        gone = {k: v for k, v in fixed.items() if names is not None and k not in names}
+        if names is not None and not gone:
+            return fn
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if names is None:   # unknown: 2.5's form first, pybind11's TypeError means "not this one"
+                try:
+                    return fn(*args, **kwargs)
+                except TypeError:
+                    pass
+            for key, ok in (gone if names is not None else fixed).items():
+                if key not in kwargs:
+                    continue
+                if str(kwargs[key]) in ok:
+                    del kwargs[key]
+                elif names is not None:   # unknown signature: keep it, the kernel says no
+                    raise RuntimeError(f"jax_dg: deep_gemm {version()}'s {key}-less kernel cannot "
+                                       f"take {key}={kwargs[key]} (jax_dg plans around it)")
+            return fn(*args, **kwargs)
+        return call
+    return adapt
+
+
+_FLOAT32 = ("None", "float32", "torch.float32")
 
 # Public name -> adapter of the found callable to the signature jax_dg calls (2.5.0's).
 SIGNATURES: dict[str, Callable[[Callable], Callable]] = {
-    "fp8_fp4_mqa_logits": _adapt_mqa_logits_clean,
+    # >= 2.8: no clean_logits (never cleans), no logits_dtype (float32 on SM90), max_seqlen_k
+    # required and 6th: jax_dg passes it by keyword in every version
+    "fp8_fp4_mqa_logits": _without({"clean_logits": ("False",), "logits_dtype": _FLOAT32}),
+    "fp8_fp4_paged_mqa_logits": _without({"clean_logits": ("False",), "logits_dtype": _FLOAT32}),
+    # >= 2.8: the bf16 bhr/bhd forms take cuBLASLt unless deterministic algorithms are on
+    "einsum": _without({"use_cublaslt": ("True",)}),
 }
 
 
@@ -198,8 +224,119 @@ def namespace(symbols: tuple[str, ...]) -> Namespace:
 
 def version_tuple() -> tuple[int, int]:
     """(major, minor) of the installed DeepGEMM; (0, 0) when unknown."""
-    parts = (version() or "0.0").split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (ValueError, IndexError):
-        return 0, 0
+    return _version_tuple(version() or "0.0")
+
+
+# --- what the installed DeepGEMM offers: the one record the trace side plans with ---------------
+
+TESTED = ((2, 5), (2, 8))   # DeepGEMM versions jax_dg is tested against (GPU suite, golden files)
+
+
+@dataclasses.dataclass(frozen=True)
+class Api:
+    """What one DeepGEMM build offers jax_dg, read from the module once: its version and, per
+    kernel jax_dg calls, whether it resolves and which keywords it takes. The facts below are
+    what the ops plan with while tracing (the form a kernel is called in, or what is composed
+    around it where a version dropped a feature); the run functions never ask again.
+
+    Signatures decide where they can (a keyword present or not); the version decides what no
+    signature shows (head counts, next_n, buffer strides), and a version newer than any in
+    TESTED is taken as the newest tested one there."""
+    version: tuple[int, int]
+    present: frozenset[str]
+    keywords: Mapping[str, frozenset[str] | None]
+
+    @classmethod
+    def of(cls, dg: Any, version_text: str | None = None) -> "Api":
+        text = version_text or getattr(dg, "__version__", "0.0")
+        present, kws = set(), {}
+        for name in _API_SYMBOLS:
+            fn = _find(dg, name)
+            if fn is not None:
+                present.add(name)
+                kws[name] = keywords(fn)
+        return cls(_version_tuple(text), frozenset(present), kws)
+
+    def has(self, name: str) -> bool:
+        return name in self.present
+
+    def takes(self, name: str, keyword: str) -> bool:
+        """Whether kernel `name` takes `keyword` (an unknown signature: as its version's)."""
+        names = self.keywords.get(name)
+        if names is None:
+            return self.has(name) and keyword in _KEYWORDS_BY_ERA.get((name, self.era), ())
+        return keyword in names
+
+    @property
+    def era(self) -> tuple[int, int]:
+        """The tested version whose facts apply: the newest tested one not newer than this."""
+        return max([v for v in TESTED if v <= self.version] or [TESTED[0]])
+
+    @property
+    def untested(self) -> bool:
+        return self.version not in TESTED
+
+    # The facts the ops plan with.
+    @property
+    def mqa_full_form(self) -> bool:
+        """fp8_fp4_mqa_logits has the full [M, N] form (max_seqlen_k=0; gone in 2.8)."""
+        return self.takes("fp8_fp4_mqa_logits", "clean_logits")
+
+    def logits_dtypes(self, kernel: str) -> tuple[str, ...]:
+        """Logits types the SM90 MQA-logits kernel writes (2.8: float32 only)."""
+        return ("float32", "bfloat16") if self.takes(kernel, "logits_dtype") else ("float32",)
+
+    @property
+    def sm90_mqa_heads(self) -> tuple[int, ...]:
+        """Heads the SM90 logits kernels take (2.5.0's kernel ran 16 too; 2.8 asserts 32, 64)."""
+        return (16, 32, 64) if self.era < (2, 8) else (32, 64)
+
+    @property
+    def sm90_paged_next_n(self) -> tuple[int, ...]:
+        """Query rows per request the SM90 paged kernel takes (2.8: 1, 2)."""
+        return (1, 2, 4) if self.era < (2, 8) else (1, 2)
+
+    @property
+    def ensure_zero_padding(self) -> bool:
+        """m-grouped contiguous GEMMs zero the padding rows themselves when asked (2.8)."""
+        return self.takes("m_grouped_fp8_gemm_nt_contiguous", "ensure_zero_padding")
+
+
+# Kernels whose presence and keywords the Api reads (public names, as lookup() takes them).
+_API_SYMBOLS = ("fp8_gemm_nt", "fp8_gemm_nt_skip_head_mid", "fp8_fp4_mqa_logits",
+                "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata",
+                "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_contiguous",
+                "k_grouped_fp8_gemm_nt_contiguous", "bf16_gemm_nt", "einsum", "batched_syrk",
+                "batched_symm", "use_deterministic_algorithms", "shutdown")
+
+# Where a pybind11 signature cannot be read: the keywords each tested version's kernels take.
+_KEYWORDS_BY_ERA: dict[tuple[str, tuple[int, int]], tuple[str, ...]] = {
+    ("fp8_fp4_mqa_logits", (2, 5)): ("clean_logits", "max_seqlen_k", "logits_dtype"),
+    ("fp8_fp4_mqa_logits", (2, 8)): ("max_seqlen_k", "schedule_meta"),
+    ("fp8_fp4_paged_mqa_logits", (2, 5)): ("clean_logits", "logits_dtype", "indices"),
+    ("fp8_fp4_paged_mqa_logits", (2, 8)): ("indices",),
+    ("m_grouped_fp8_gemm_nt_contiguous", (2, 8)): ("ensure_zero_padding",),
+    ("m_grouped_bf16_gemm_nt_contiguous", (2, 8)): ("ensure_zero_padding",),
+    ("einsum", (2, 5)): ("c", "use_cublaslt"),
+    ("einsum", (2, 8)): ("c", "epilogue_class"),
+}
+
+
+def _find(dg: Any, name: str) -> Callable | None:
+    for candidate in NAMES.get(name, (name,)):
+        fn = getattr(dg, candidate, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    found = re.match(r"\s*(\d+)\.(\d+)", str(text))
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+@functools.cache
+def api() -> Api | None:
+    """The installed DeepGEMM's Api (None when none imports)."""
+    dg = module()
+    return None if dg is None else Api.of(dg)
