@@ -154,3 +154,9 @@ __version__ = "0.1.0"
 # jax_dg.interop.
 __all__ = sorted(n for n, v in list(globals().items()) if not n.startswith("_")
                  and (not isinstance(v, type(jax)) or n in ("paged", "interop")))
+
+# jax_dg's one op registry, filled here: the public names, and the ops their functions expose
+from jax_dg.core import bridge, registry  # noqa: E402,F401  (bridge: the run-time hooks)
+
+registry.register_public({**{n: globals()[n] for n in __all__},
+                          **{f"paged.{n}": getattr(paged, n) for n in paged.__all__}})

@@ -64,15 +64,11 @@ def function_status(fn, platform_name: str, family: str | None, backend: str) ->
 
 
 def public_functions() -> list[tuple[str, Any]]:
-    """(name, function) of what a user calls: jax_dg's public callables and jax_dg.operands.paged's."""
-    import jax_dg
-    out = []
-    for prefix, mod in (("", jax_dg), ("paged.", jax_dg.operands.paged)):
-        for name in mod.__all__:
-            obj = getattr(mod, name)
-            if callable(obj) and not isinstance(obj, type):   # functions, jitted ones too
-                out.append((prefix + name, obj))
-    return out
+    """(name, function) of what a user calls: the registry's public functions (jax_dg's, and
+    jax_dg.paged's as "paged.<name>")."""
+    import jax_dg  # noqa: F401  (fills the registry)
+    from jax_dg.core import registry
+    return sorted(registry.functions().items())
 
 
 def collect() -> dict[str, Any]:

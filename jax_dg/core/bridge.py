@@ -16,48 +16,16 @@ use-after-free on replay.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax  # keep ahead of the extension: loading it first crashes jax's import (see tests)
 import torch
 
 from jax_dg.core import _bridge
 from jax_dg.core import backend as selection
-from jax_dg.core import runtime
+from jax_dg.core import registry, runtime
 from jax_dg.core.site import Site
 from jax_dg.core.statics import pick
-
-_HANDLERS = _bridge.handlers()
-_GRAPH_HANDLERS = _bridge.graph_handlers()
-GRAPH_SUFFIX = "_graph"   # the command-buffer-compatible twin of an op's target
-_REGISTERED: set[str] = set()
-_OPS: dict[str, Any] = {}  # op name -> Op (jax_dg.core.op)
-
-
-def register_op(op) -> str:
-    """Registers `op`'s custom-call target on every platform; returns the target's name."""
-    name = f"jax_dg_{op.name}"
-    _OPS[op.name] = op
-    if name not in _REGISTERED:
-        for platform, handler in _HANDLERS.items():
-            jax.ffi.register_ffi_target(name, handler, platform=platform)
-        if op.graph_safe:
-            for platform, handler in _GRAPH_HANDLERS.items():
-                jax.ffi.register_ffi_target(name + GRAPH_SUFFIX, handler, platform=platform)
-        _REGISTERED.add(name)
-    return name
-
-
-def registered_targets() -> list[str]:
-    """Every custom-call target jax_dg registered (graph-safe twins included)."""
-    return sorted(_REGISTERED | {n + GRAPH_SUFFIX for n in _REGISTERED
-                                 if _OPS[n.removeprefix("jax_dg_")].graph_safe})
-
-
-def registered_ops() -> dict[str, Any]:
-    """Every registered op by name (test-only ops start with "_")."""
-    return dict(_OPS)
-
 
 def call_count() -> int:
     """Handler entries so far (every platform): a replayed CUDA graph adds none."""
@@ -96,7 +64,7 @@ def _prepare(text: str, platform: str) -> Callable:
     torch's stream and device made XLA's around it."""
     site = Site.decode(text)
     op_name, graph = site.op, site.graph
-    op = _OPS[op_name]
+    op = registry.op(op_name)
     static = pick(op.run, site.static)   # the statics and plan the run function names
     dg = selection.namespace(site.backend, platform, op.symbols)
     if _STAGES is not None and platform == "cuda":

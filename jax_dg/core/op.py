@@ -44,13 +44,11 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from jax_dg import contracts
-from jax_dg.core import bridge, derivative, device, dispatch, native, sharding
+from jax_dg.core import derivative, device, dispatch, registry, sharding
 from jax_dg.core.checks import Checker, is_torch_tensor
 from jax_dg.core.site import Site
 from jax_dg.core.statics import REQUIRED, declared, pick  # noqa: F401  (REQUIRED: for records)
 
-
-OPS: dict[str, "Op"] = {}   # every op declared, by name (test-only ops start with "_")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Op:
@@ -84,7 +82,6 @@ class Op:
     # parameters of `shapes`. A call passes only declared names; each record function
     # receives the ones it names (pick), so adding a static is one edit here plus its uses.
     statics: Mapping[str, Any] | None = None
-    ffi_name: str = dataclasses.field(default="", init=False)   # the bridge's custom-call target
 
     def __post_init__(self):
         if (self.run is None) == (self.native is None):
@@ -94,8 +91,11 @@ class Op:
             raise TypeError(f"Op {self.name}: a native op names its kernel in own_kernels")
         if self.statics is None:
             object.__setattr__(self, "statics", declared(self.shapes))
-        OPS[self.name] = self
-        object.__setattr__(self, "ffi_name", bridge.register_op(self) if self.run else "")
+
+    @property
+    def ffi_name(self) -> str:
+        """The bridge's custom-call target of a DeepGEMM op (jax_dg.core.registry registers it)."""
+        return f"jax_dg_{self.name}"
 
     def complete(self, static: Mapping[str, Any]) -> dict:
         """The call's statics checked against the declaration, defaults filled in."""
@@ -187,7 +187,10 @@ class Call:
         # allocator: the plain target, never captured
         plan = plan_of(self.arrays)
         graph = how.graph and plan.get("lands", True)
-        target = op.ffi_name + (bridge.GRAPH_SUFFIX if graph else "")
+        if not registry.is_registered(op):
+            raise RuntimeError(f"jax_dg: op `{op.name}` is not registered "
+                               "(jax_dg.core.registry.register)")
+        target = op.ffi_name + (registry.GRAPH_SUFFIX if graph else "")
 
         def site_of(full, plan):
             return Site(op.name, how.runs, tuple(a is not None for a in full), graph,
@@ -227,17 +230,14 @@ def composed(base: Op, *, name: str, base_static: Callable[..., Mapping[str, Any
               graph_safe=base.graph_safe, statics=declared(base_static), **fields)
 
 
-def targets() -> list[str]:
-    """Every custom-call target jax_dg registers: the bridge's (with their command-buffer
-    twins) and jax_dg's own kernels'."""
-    return sorted(set(bridge.registered_targets()) | set(native.TARGETS.values()))
-
-
-def exposes(*ops: Op):
-    """Marks a public function as the user-facing form of `ops` (`python -m jax_dg info` reports
-    what each public function runs on from them)."""
+def exposes(*ops: Op, differentiable: bool = False):
+    """Marks a public function as the user-facing form of `ops`: registering the function
+    (jax_dg.core.registry) registers them, and `python -m jax_dg info` reports what it runs on
+    from them. `differentiable`: jax.grad goes through it (its own rule, jax_dg.core.derivative),
+    though its ops declare none."""
     def mark(fn):
         fn.__jax_dg_ops__ = ops
+        fn.__jax_dg_differentiable__ = differentiable
         return fn
     return mark
 

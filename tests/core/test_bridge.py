@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import jax_dg
-from jax_dg.core import bridge
+from jax_dg.core import bridge, registry
 from jax_dg.core.op import Op
 
 SEEN: list[tuple] = []
@@ -40,6 +40,7 @@ def _echo_reference(*xs, scale):
 
 ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), shapes=_echo_rule,
               run=_echo_run, reference=_echo_reference) for n in (1, 3)}
+registry.register(*ECHO.values())
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2,
           jnp.int32, jnp.int64, jnp.uint8, jnp.int8, jnp.bool_]

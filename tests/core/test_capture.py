@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.core import bridge, device, native, runtime
-from jax_dg.core.op import OPS, Op
+from jax_dg.core import bridge, device, native, registry, runtime
+from jax_dg.core.op import Op
 from tests.conftest import same_bits, trace_for_gpu
 
 GRAPH_SAFE = ["fp8_gemm_nt", "bf16_gemm_nt", "bf16_gemm_nn", "bf16_gemm_tn", "bf16_gemm_tt",
@@ -32,7 +32,7 @@ def fp8_case(m=128, n=256, k=256, seed=0):
 
 
 def test_the_declaration_is_in_the_records():
-    ops = OPS
+    ops = registry.ops()
     assert sorted(n for n, op in ops.items() if op.graph_safe and not n.startswith("_")) == sorted(GRAPH_SAFE)
     for name in ("k_grouped_fp8_gemm_nt_contiguous", "einsum", "fp8_gemm_tn"):
         assert not ops[name].graph_safe   # they allocate (outputs, workspaces, re-packed scales)
@@ -104,6 +104,7 @@ def _alloc_run(dg, x, out):
 
 ALLOC_OP = Op(name="_test_graph_echo", args=("x",), shapes=lambda x: [jax.ShapeDtypeStruct(x.shape, x.dtype)],
               run=_alloc_run, reference=lambda x: x, graph_safe=frozenset({"torch"}))
+registry.register(ALLOC_OP)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.core import dispatch, device
+from jax_dg.core import dispatch, device, registry
 from jax_dg.core import op as ops
 from jax_dg.core.site import Site, SiteError
 from jax_dg.ops import mqa, topk
@@ -133,7 +133,7 @@ def test_the_traced_call_carries_its_plan_in_the_record():
 def test_one_resolver_for_the_call_info_and_warm_up():
     from jax_dg import __main__ as cli
     t = device.target()
-    for op in ops.OPS.values():
+    for op in registry.ops().values():
         if op.name.startswith("_"):
             continue
         how = dispatch.resolve(op, (), t)
@@ -160,11 +160,11 @@ def test_the_resolver_names_what_runs():
 
 
 def test_every_target_is_exportable():
-    names = set(ops.targets())
+    names = set(registry.targets())
     assert {"jax_dg_fp8_gemm_nt", "jax_dg_fp8_gemm_nt_graph", "jax_dg_native_topk",
             "jax_dg_native_neg_inf_outside"} <= names
     assert len(jax_dg.export_safety_checks()) == len(names)
-    np.testing.assert_equal(sorted(names), ops.targets())
+    np.testing.assert_equal(sorted(names), registry.targets())
 
 
 # --- the statics: one declared record ------------------------------------------------------------
@@ -180,6 +180,7 @@ def _scaled_run(dg, x, out, *, scale):        # names only what it uses
 SCALED = ops.Op(name="_test_scaled", args=("x",), shapes=_scaled_shapes, run=_scaled_run,
                 reference=lambda x, *, scale: (x * scale,),
                 finish=lambda outs, inputs, *, offset: (outs[0] + offset,))
+registry.register(SCALED)
 
 
 def test_a_static_is_declared_once_and_reaches_only_the_functions_that_name_it():
@@ -214,3 +215,32 @@ def test_without_jax_dgs_cuda_kernels_a_gpu_call_says_why_after_the_other_reason
     how = dispatch.resolve(mqa.FP8_MQA_LOGITS, (), device.Target("deep_gemm", "cuda", "sm80", 108), "auto")
     assert isinstance(how.error, jax_dg.UnsupportedArchError)   # the reason that holds built too
     assert dispatch.resolve(mqa.FP8_MQA_LOGITS, (), sm90, requested="xla").runs == "xla"
+
+
+# --- one registry ----------------------------------------------------------------------------------
+
+def test_declaring_an_op_registers_nothing_and_an_unregistered_call_says_so():
+    op = ops.Op(name="_test_unregistered", args=("x",), shapes=_scaled_shapes, run=_scaled_run,
+                reference=lambda x, *, scale: (x * scale,))
+    assert "_test_unregistered" not in registry.ops()
+    assert "jax_dg__test_unregistered" not in registry.targets()
+    with pytest.raises(RuntimeError, match="`_test_unregistered` is not registered"):
+        jax.jit(lambda x: op(x, scale=2.0)).lower(jnp.arange(4.0))
+    registry.register(op)
+    assert registry.op("_test_unregistered") is op and "jax_dg__test_unregistered" in registry.targets()
+    registry.register(op)   # again: nothing changes
+    with pytest.raises(ValueError, match="two ops are named"):
+        registry.register(ops.Op(name="_test_unregistered", args=("x",), shapes=_scaled_shapes,
+                                 run=_scaled_run, reference=lambda x, *, scale: (x * scale,)))
+
+
+def test_what_the_registry_derives():
+    # every op a public function exposes is registered, and every registered public function
+    # is one of jax_dg's names
+    assert set(registry.public()) == set(jax_dg.__all__) | {f"paged.{n}" for n in jax_dg.paged.__all__}
+    exposed = {op.name for fn in registry.functions().values() for op in getattr(fn, "__jax_dg_ops__", ())}
+    assert exposed == {n for n in registry.ops() if not n.startswith("_")}
+    # the differentiable functions: ops with a reverse-mode rule, and the layers marked so
+    assert registry.differentiable() == sorted(
+        [f"{family}_{s}" for family in ("bf16_gemm", "cublaslt_gemm") for s in ("nt", "nn", "tn", "tt")]
+        + ["fp8_linear", "fp8_grouped_linear"])
