@@ -36,7 +36,8 @@ from jax_dg.reference.gemm import dequant
 
 # A graph-safe op that does nothing: the fixed cost of one jax_dg call (XLA's custom-call thunk
 # and the bridge, Python included), with no kernel and no DeepGEMM host work.
-NOOP = Op(name="_bench_noop", args=("x",), shapes=lambda x: [jax.ShapeDtypeStruct((1,), jnp.float32)],
+NOOP = Op(name="_bench_noop", args=("x",), statics={},
+          shapes=lambda x: [jax.ShapeDtypeStruct((1,), jnp.float32)],
           run=lambda dg, x, out: None, reference=lambda x: jnp.zeros((1,), jnp.float32),
           graph_safe=frozenset({"sm90", "sm100"}))
 registry.register(NOOP)

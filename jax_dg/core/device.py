@@ -67,11 +67,15 @@ def platform() -> str:
 @dataclasses.dataclass(frozen=True)
 class Target:
     """What a function traced now will run on: the concrete backend, the GPU architecture whose
-    DeepGEMM contract applies, and the SM count its kernels schedule for."""
+    DeepGEMM contract applies, the SM count its kernels schedule for, and the DeepGEMM release
+    whose layouts apply."""
     backend: str     # "deep_gemm", "torch" or "xla"
     platform: str    # "cuda" or "cpu"
     arch: str        # "sm90", "sm100", ...; the references emulate contracts.EMULATED_ARCH
     num_sms: int
+    # (major, minor) of the installed DeepGEMM on "deep_gemm"; the references emulate
+    # contracts.EMULATED_VERSION
+    version: tuple[int, int] = contracts.EMULATED_VERSION
 
 
 def target() -> Target:
@@ -88,6 +92,6 @@ def target() -> Target:
     if concrete == "deep_gemm" and where == "cuda":
         dg = deep_gemm.module()
         if dg is not None:
-            return Target(concrete, where, family(), int(dg.get_num_sms()))
+            return Target(concrete, where, family(), int(dg.get_num_sms()), deep_gemm.version_tuple())
     from jax_dg.backends.torch_emu import device as emulated
     return Target(concrete, where, contracts.EMULATED_ARCH, emulated.get_num_sms())

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import native
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.reference import quant as ref
@@ -33,7 +33,7 @@ F32 = jnp.float32
 I32 = jnp.int32
 
 
-def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=False, aligned=False):
+def _shapes(x, valid_rows, *, per_block, rows_out, cols_out):
     ck = Checker("cast_fp8")
     ck.ndim(x, "x", 3, "[B, R, C]")
     ck.dtype(x, "x", jnp.bfloat16, F32)
@@ -51,9 +51,9 @@ def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=Fa
             jax.ShapeDtypeStruct(sqt, F32) if cols_out else none(F32)]
 
 
-def _native(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
-    static = dict(per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out)
-    return native.cast_fp8(x, valid_rows, _shapes(x, valid_rows, **static), **static)
+def _native(x, valid_rows, *, types, per_block, ue8m0, rows_out, cols_out):
+    return native.cast_fp8(x, valid_rows, types, per_block=per_block, ue8m0=ue8m0,
+                           rows_out=rows_out, cols_out=cols_out)
 
 
 def _reference_one(x, valid, *, per_block, ue8m0, rows_out, cols_out):
@@ -88,7 +88,7 @@ def _batch(size, batched, inputs, *, per_block, ue8m0, rows_out, cols_out):
                  for o in outs)
 
 
-def _layout(names, *, per_block, rows_out=True, cols_out=False, aligned=False):
+def _layout(names, *, per_block, rows_out, cols_out, aligned):
     """Batches and rows split with no collective, columns in whole 128-blocks; a shard casts
     whole blocks (rows in 128s where a block or the transposed cast spans rows, else in 16s),
     so its results are the slices of the whole's. `aligned` (R % 16 == 0, which sharding the
@@ -107,6 +107,8 @@ def _layout(names, *, per_block, rows_out=True, cols_out=False, aligned=False):
 CAST_FP8 = Op(
     name="cast_fp8",
     args=("x", "valid_rows"),
+    statics={"per_block": REQUIRED, "ue8m0": False, "rows_out": True, "cols_out": False,
+             "aligned": False},
     shapes=_shapes,
     native=_native,
     reference=_reference,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_dg.contracts import cdiv
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import einsum as ref
 
 FP8 = jnp.float8_e4m3fn
@@ -85,6 +85,7 @@ def _einsum_run(dg, a, b, c, d, *, expr, out_dtype, use_cublaslt):
 EINSUM = Op(
     name="einsum",
     args=("a", "b", "c"),
+    statics={"expr": REQUIRED, "out_dtype": REQUIRED, "use_cublaslt": REQUIRED},
     shapes=_einsum_shapes,
     run=_einsum_run,
     reference=ref.einsum,
@@ -141,6 +142,7 @@ def _fp8_einsum_run(dg, a, sfa, b, sfb, d, *, expr):
 FP8_EINSUM = Op(
     name="fp8_einsum",
     args=("a", "sfa", "b", "sfb"),
+    statics={"expr": REQUIRED},
     shapes=_fp8_einsum_shapes,
     run=_fp8_einsum_run,
     reference=ref.fp8_einsum,

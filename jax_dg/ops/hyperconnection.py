@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import hyperconnection as ref
 
 F32 = jnp.float32
@@ -38,6 +38,7 @@ def _run(dg, x, fn, d, sqr_sum, *, num_split):
 TF32_HC_PRENORM_GEMM = Op(
     name="tf32_hc_prenorm_gemm",
     args=("x", "fn"),
+    statics={"num_split": REQUIRED},
     shapes=_shapes,
     run=_run,
     reference=ref.tf32_hc_prenorm_gemm,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jax_dg.contracts import align
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import mhc as ref
 
 BF16 = jnp.bfloat16
@@ -22,8 +22,7 @@ SF_LAYOUTS = (None, "gemm", "routed")
 
 
 def _shapes(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
-          rmsnorm_weight, *, hc_mult, hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps,
-          num_sinkhorn_iters, rmsnorm_eps, rmsnorm_scale, with_bf16, sf_layout, shared_sf_block_m):
+            rmsnorm_weight, *, hc_mult, num_sinkhorn_iters, with_bf16, sf_layout, shared_sf_block_m):
     ck = Checker("mega_mhc")
     ck.that(hc_mult == NUM_ROUTES, "hc_mult", f"must be {NUM_ROUTES} (DeepGEMM's kNumRoutes)", hc_mult)
     ck.that(num_sinkhorn_iters >= 1, "num_sinkhorn_iters", "must be >= 1", num_sinkhorn_iters)
@@ -106,6 +105,9 @@ MEGA_MHC = Op(
     name="mega_mhc",
     args=("x", "residual", "shifted_prev_mix", "post_mix", "comb_res_mix", "fn", "mix_scales",
           "mix_bases", "rmsnorm_weight"),
+    statics=dict.fromkeys(("hc_mult", "hc_norm_eps", "hc_pre_eps", "hc_post_scale", "sinkhorn_eps",
+                           "num_sinkhorn_iters", "rmsnorm_eps", "rmsnorm_scale", "with_bf16",
+                           "sf_layout", "shared_sf_block_m"), REQUIRED),
     shapes=_shapes,
     run=_run,
     reference=ref.mega_mhc,

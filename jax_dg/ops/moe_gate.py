@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax_dg.core import runtime as rt
 from jax_dg.core import values
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import moe_gate as ref
 
 BF16 = jnp.bfloat16
@@ -88,7 +88,7 @@ def _shapes(x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mas
 
 def _run(dg, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
           to_physical_map, logical_count, unmapped_in, topk_idx, topk_weights, unmapped_out=None,
-          *, num_topk, scoring_func, routed_scaling_factor, ep_rank, num_shared_experts, index_dtype):
+          *, num_topk, scoring_func, routed_scaling_factor, ep_rank, num_shared_experts):
     # DeepGEMM writes int64 indices; int32 outputs (JAX's default) go through a temporary.
     idx64 = topk_idx if topk_idx.dtype == rt.int64 else topk_idx.to(rt.int64)
     unmapped = None
@@ -115,6 +115,8 @@ BF16_MEGA_GATE = Op(
     name="bf16_mega_gate",
     args=("x", "weight", "mask", "bias", "image_bias", "image_token_mask", "fix_routing_mask",
           "to_physical_map", "logical_count", "unmapped_topk_idx"),
+    statics=dict.fromkeys(("num_topk", "scoring_func", "routed_scaling_factor", "ep_rank",
+                           "num_shared_experts", "index_dtype"), REQUIRED),
     shapes=_shapes,
     run=_run,
     reference=ref.bf16_mega_gate,

@@ -13,12 +13,12 @@ import torch
 
 import jax_dg
 from jax_dg.core import bridge, registry
-from jax_dg.core.op import Op
+from jax_dg.core.op import REQUIRED, Op
 
 SEEN: list[tuple] = []
 
 
-def _echo_rule(*xs, scale):
+def _echo_rule(*xs):
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
 
 
@@ -38,7 +38,8 @@ def _echo_reference(*xs, scale):
                  for x in xs)
 
 
-ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), shapes=_echo_rule,
+ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), statics={"scale": REQUIRED},
+              shapes=_echo_rule,
               run=_echo_run, reference=_echo_reference) for n in (1, 3)}
 registry.register(*ECHO.values())
 

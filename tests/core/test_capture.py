@@ -102,7 +102,8 @@ def _alloc_run(dg, x, out):
     out.copy_(x)
 
 
-ALLOC_OP = Op(name="_test_graph_echo", args=("x",), shapes=lambda x: [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+ALLOC_OP = Op(name="_test_graph_echo", args=("x",), statics={},
+              shapes=lambda x: [jax.ShapeDtypeStruct(x.shape, x.dtype)],
               run=_alloc_run, reference=lambda x: x, graph_safe=frozenset({"torch"}))
 registry.register(ALLOC_OP)
 

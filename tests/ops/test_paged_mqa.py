@@ -416,7 +416,8 @@ def test_more_rows_a_request_than_a_sanitising_cta_has_threads(monkeypatch):
     bad[0, 2] = -1                       # request 0's context ends at token 128
 
     def prepared(lens, table):
-        arrays, _ = ops.paged_arguments("t", (q, None), cache, w, lens, table, None, 320, None)
+        arrays, _ = ops.paged_arguments("t", device.target(), (q, None), cache, w, lens, table,
+                                        None, 320, None)
         return arrays[4], arrays[5]       # the lengths and the table the kernel would read
     args = (lens, jnp.asarray(bad))
     assert native.TARGETS["paged_sanitise"] in jax.jit(prepared).lower(*args).as_text()
