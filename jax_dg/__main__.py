@@ -36,8 +36,7 @@ def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple
     from jax_dg.core import dispatch
     from jax_dg.core.device import Target
     where = "cuda" if platform_name == "gpu" else platform_name
-    concrete = "xla" if backend == "xla" else selection.concrete(backend, where, strict=False)
-    t = Target(concrete, where, family or contracts.EMULATED_ARCH, 0)
+    t = Target(selection.concrete(backend, where), where, family or contracts.EMULATED_ARCH, 0)
     how = dispatch.resolve(op, (), t, requested=backend)
     if how.runs == "raises":
         return "raises", f"{type(how.error).__name__}: {how.why}"

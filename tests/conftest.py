@@ -169,7 +169,7 @@ def trace_for_gpu(monkeypatch, arch: str) -> None:
         return kernel
     def target():
         requested = selection.requested()
-        backend = "xla" if requested == "xla" else selection.concrete(requested, "cuda")
+        backend = selection.concrete(requested, "cuda")
         version = deep_gemm.version_tuple() if backend == "deep_gemm" else device.Target.version
         return device.Target(backend, "cuda", arch, 132, version)
     monkeypatch.setattr(device, "target", target)

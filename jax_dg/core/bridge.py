@@ -22,8 +22,7 @@ import jax  # keep ahead of the extension: loading it first crashes jax's import
 import torch
 
 from jax_dg.core import _bridge
-from jax_dg.core import backend as selection
-from jax_dg.core import registry, runtime
+from jax_dg.core import dispatch, registry, runtime
 from jax_dg.core.site import Site
 from jax_dg.core.statics import pick
 
@@ -66,7 +65,7 @@ def _prepare(text: str, platform: str) -> Callable:
     op_name, graph = site.op, site.graph
     op = registry.op(op_name)
     static = pick(op.run, site.static)   # the statics and plan the run function names
-    dg = selection.namespace(site.backend, platform, op.symbols)
+    dg = dispatch.kernels(op, site.backend)   # what the trace resolved, for the record's backend
     if _STAGES is not None and platform == "cuda":
         dg = _Timed(dg)
     run_op = op.run

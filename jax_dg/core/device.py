@@ -88,7 +88,7 @@ def target() -> Target:
     """
     where = platform()
     requested = selection.requested()
-    concrete = "xla" if requested == "xla" else selection.concrete(requested, where, strict=False)
+    concrete = selection.concrete(requested, where)
     if concrete == "deep_gemm" and where == "cuda":
         dg = deep_gemm.module()
         if dg is not None:
