@@ -65,7 +65,7 @@ from jax_dg.operands.indexer import (
     per_row_cast_to_fp8,
     varlen_causal_ks_ke,
 )
-from jax_dg.ops.cast import cast_blocks, cast_tokens
+from jax_dg.ops.cast import cast_blocks, cast_tokens, per_block_cast_to_fp8, per_token_cast_to_fp8
 from jax_dg.ops.einsum import einsum, fp8_einsum
 from jax_dg.ops.gemm import (
     bf16_gemm_nn,
@@ -115,13 +115,7 @@ from jax_dg.ops.paged_mqa import (
     paged_mqa_logits,
 )
 from jax_dg.ops.topk import indexer_topk, paged_indexer_topk, topk_indices
-from jax_dg.operands.quant import (
-    calc_diff,
-    ceil_to_ue8m0,
-    pack_ue8m0_to_int,
-    per_block_cast_to_fp8,
-    per_token_cast_to_fp8,
-)
+from jax_dg.operands.quant import calc_diff, ceil_to_ue8m0, pack_ue8m0_to_int
 from jax_dg.operands.routing import (
     ContiguousLayout,
     MaskedLayout,
