@@ -130,7 +130,7 @@ def closure_us() -> float:
     """The Python part of one call: the bridge's prepared closure (torch stream switch, capture
     guard, run function) called directly with torch views, no XLA."""
     import time
-    from jax_dg.core import bridge
+    from jax_dg.runtime import bridge
     from jax_dg.core.site import Site
     fn = bridge._prepare(Site("_bench_noop", "deep_gemm", (True,), True, {}).encode(), "cuda")
     stream = torch.cuda.Stream()
@@ -217,8 +217,8 @@ def main():
           f"graphs off {off.get('noop', {}).get('jax_dg', float('nan')):.2f} us; of which the Python "
           f"closure {on['closure']['jax_dg']:.2f} us; one tiny XLA fusion for comparison: graphs on "
           f"{on['xla_tiny']['jax_dg']:.2f} us, off {off.get('xla_tiny', {}).get('jax_dg', float('nan')):.2f} us")
-    from jax_dg.core import runtime
-    print(f"graph-safe call sites: {runtime.CAPTURE_STATS}")
+    from jax_dg.runtime import guards
+    print(f"graph-safe call sites: {guards.CAPTURE_STATS}")
     table = []
     for name, (eager, graph) in rows:
         r = {"shape": name, "torch_eager_us": eager, "torch_graph_us": graph,

@@ -10,8 +10,9 @@
                              #   types, or shaped(types, **plan): with what the run function
                              #   and the finish need decided (layouts, landing); checks the
                              #   arguments, raising ArgumentError naming one
-        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, the statics
-                             #   and plan entries it names): the DeepGEMM call, no decision
+        run=_run,            # run time, torch side: (rt, *in_tensors, *out_tensors, the statics
+                             #   and plan entries it names): the DeepGEMM call (rt.dg), no
+                             #   decision; rt: jax_dg.runtime.run.Run
         reference=_ref,      # (*arrays, **statics it names) -> outputs in jax.numpy (the
                              #   oracle, backend "xla")
         symbols=("fp8_gemm_nt",),             # DeepGEMM symbols `run` uses
@@ -28,10 +29,11 @@ Every record function receives exactly the statics (and plan entries) it names a
 parameters (jax_dg.core.statics.pick): a static is declared once, in `statics`, and reaches the
 functions that use it.
 
-An op runs either DeepGEMM through the bridge (`run`, written against DeepGEMM's API: `dg` is
-the resolved DeepGEMM symbols on CUDA or the torch emulation of the same contract) or one of
-jax_dg's own kernels (`native`: the lowering to its typed FFI handler, jax_dg.core.native, with
-no Python at run time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
+An op runs either DeepGEMM through the bridge (`run`, written against DeepGEMM's API: `rt.dg` is
+the resolved DeepGEMM symbols on CUDA or the torch emulation of the same contract; `rt` gives
+the torch-side helpers, so an op module imports no torch) or one of jax_dg's own kernels
+(`native`: the lowering to its typed FFI handler, jax_dg.core.native, with no Python at run
+time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
 
 A call is checked, shaped and planned once (`Op.bind`), for one target (jax_dg.core.device:
 platform, backend, architecture, SM count, DeepGEMM version) computed once, and carried to the
@@ -43,7 +45,7 @@ Batching, sharding and derivatives see the finished outputs.
 `graph_safe` names where `run` allocates nothing on torch's side and launches the same work on
 every call (DeepGEMM architectures, or "torch" for the torch emulation): there the op lowers to
 the command-buffer-compatible target, so XLA may capture it into a CUDA graph (see
-jax_dg.core.bridge). Native ops are always capture-safe on CUDA.
+jax_dg.runtime.bridge). Native ops are always capture-safe on CUDA.
 """
 
 from __future__ import annotations
@@ -251,8 +253,8 @@ def composed(base: Op, *, name: str, statics: Mapping[str, Any],
     def shapes(*arrays, target, **static):
         return base.shapes(*arrays, **pick(base.shapes, {**base_static(**static), "target": target}))
 
-    def run(dg, *buffers, **static):
-        base.run(dg, *buffers, **pick(base.run, base_static(**static)))
+    def run(rt, *buffers, **static):
+        base.run(rt, *buffers, **pick(base.run, base_static(**static)))
     return Op(name=name, args=base.args, statics=statics, shapes=shapes, run=run,
               symbols=base.symbols, archs=base.archs, arg_archs=base.arg_archs,
               graph_safe=base.graph_safe, **fields)

@@ -1,7 +1,7 @@
 """The call-site record: what a traced call hands the bridge besides its buffers.
 
 One record per call site, made once at trace time (jax_dg.core.op), carried as the custom
-call's one string attribute, decoded once per site by the bridge (jax_dg.core.bridge), which
+call's one string attribute, decoded once per site by the bridge (jax_dg.runtime.bridge), which
 caches the prepared closure under the string. It holds every decision made while tracing:
 
     op        the Op's name

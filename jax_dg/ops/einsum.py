@@ -68,18 +68,18 @@ def _einsum_shapes(a, b, c, *, expr, out_dtype, use_cublaslt):
     return [jax.ShapeDtypeStruct(d_shape, out_dtype)]
 
 
-def _einsum_run(dg, a, b, c, d, *, expr, out_dtype, use_cublaslt):
+def _einsum_run(rt, a, b, c, d, *, expr, out_dtype, use_cublaslt):
     if expr == "bmk,bnk->mn" and out_dtype == "float32":
         # DeepGEMM accumulates into a float32 d in place (c must be d): d = c (or 0) + sum.
         if c is None:
             d.zero_()
         elif c.data_ptr() != d.data_ptr():
             d.copy_(c)
-        dg.einsum(expr, a, b, d, c=d)
+        rt.dg.einsum(expr, a, b, d, c=d)
     elif use_cublaslt:
-        dg.einsum(expr, a, b, d, use_cublaslt=True)
+        rt.dg.einsum(expr, a, b, d, use_cublaslt=True)
     else:
-        dg.einsum(expr, a, b, d)
+        rt.dg.einsum(expr, a, b, d)
 
 
 EINSUM = Op(
@@ -135,8 +135,8 @@ def _fp8_einsum_shapes(a, sfa, b, sfb, *, expr):
     return [jax.ShapeDtypeStruct((bb, h, d), BF16)]
 
 
-def _fp8_einsum_run(dg, a, sfa, b, sfb, d, *, expr):
-    dg.fp8_einsum(expr, (a, sfa), (b, sfb), d)
+def _fp8_einsum_run(rt, a, sfa, b, sfb, d, *, expr):
+    rt.dg.fp8_einsum(expr, (a, sfa), (b, sfb), d)
 
 
 FP8_EINSUM = Op(

@@ -9,7 +9,6 @@ import numpy as np
 
 from jax_dg import contracts
 from jax_dg.contracts import align, cdiv
-from jax_dg.core import runtime as rt
 from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
 from jax_dg.core.sharding import Layout, Sharding
@@ -139,12 +138,12 @@ def _fp8_rule(storage: str):
 def _fp8_run(storage: str):
     name = f"fp8_gemm_{storage}"
 
-    def run(dg, a, sfa, b, sfb, c, d, *, recipe, mn_major, compiled_dims):
+    def run(rt, a, sfa, b, sfb, c, d, *, recipe, mn_major, compiled_dims):
         if mn_major[0]:
             sfa = rt.mn_major_view(sfa, a.shape[0])
         if mn_major[1]:
             sfb = rt.mn_major_view(sfb, b.shape[0])
-        getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe, **rt.dims(compiled_dims))
+        getattr(rt.dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe, **rt.dims(compiled_dims))
     return run
 
 
@@ -325,9 +324,9 @@ def _skip_head_mid_shapes(a, sfa, b, sfb, d, *, head_splits, recipe):
     return [jax.ShapeDtypeStruct((m, width), BF16)]
 
 
-def _skip_head_mid_run(dg, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, compiled_dims):
+def _skip_head_mid_run(rt, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, compiled_dims):
     # d is d_in's buffer (aliased): the kernel writes around the heads' middle columns
-    dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
+    rt.dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
                                  recipe=recipe, **rt.dims(compiled_dims))
 
 
@@ -401,8 +400,8 @@ def _bf16_shapes(name: str, storage: str, deep_gemm_kernel: bool):
 
 
 def _bf16_run(name: str):
-    def run(dg, a, b, c, d, *, compiled_dims):   # cuBLASLt's: always None
-        getattr(dg, name)(a, b, d, c=c, **rt.dims(compiled_dims))
+    def run(rt, a, b, c, d, *, compiled_dims):   # cuBLASLt's: always None
+        getattr(rt.dg, name)(a, b, d, c=c, **rt.dims(compiled_dims))
     return run
 
 

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dg.contracts import align, cdiv
-from jax_dg.core import runtime as rt
 from jax_dg.core import native, values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import REQUIRED, Op, exposes, shaped
@@ -156,9 +155,9 @@ def _zero_masked_tail(outs, inputs, *, clean):
     return (native.zero_masked_tail(d, inputs["masked_m"]) if clean else d,)
 
 
-def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, compiled_dims):
-    _use_alignment(dg, mk_alignment)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
+def _fp8_contiguous_run(rt, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, compiled_dims):
+    _use_alignment(rt.dg, mk_alignment)
+    rt.dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
                                         grouped_layout, **rt.dims(compiled_dims))
 
 
@@ -180,9 +179,9 @@ M_GROUPED_FP8_CONTIGUOUS = Op(
 _bf16_contiguous_shapes = _contiguous_shapes("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
-def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, compiled_dims):
-    _use_alignment(dg, mk_alignment)
-    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, **rt.dims(compiled_dims))
+def _bf16_contiguous_run(rt, a, b, grouped_layout, d, *, mk_alignment, compiled_dims):
+    _use_alignment(rt.dg, mk_alignment)
+    rt.dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, **rt.dims(compiled_dims))
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
@@ -302,8 +301,8 @@ def _masked_shapes(name: str, fp8: bool):
     return shapes
 
 
-def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m, compiled_dims):
-    dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
+def _fp8_masked_run(rt, a, sfa, b, sfb, masked_m, d, *, expected_m, compiled_dims):
+    rt.dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
                                     expected_m, **rt.dims(compiled_dims))
 
 
@@ -325,8 +324,8 @@ M_GROUPED_FP8_MASKED = Op(
 _bf16_masked_shapes = _masked_shapes("m_grouped_bf16_gemm_nt_masked", fp8=False)
 
 
-def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, compiled_dims):
-    dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, **rt.dims(compiled_dims))
+def _bf16_masked_run(rt, a, b, masked_m, d, *, expected_m, compiled_dims):
+    rt.dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, **rt.dims(compiled_dims))
 
 
 M_GROUPED_BF16_MASKED = Op(
@@ -430,9 +429,9 @@ def _k_grouped_shapes(a, sfa, b, sfb, ks_tensor, c, *, ks):
     return [jax.ShapeDtypeStruct((g, m, n), F32)]
 
 
-def _k_grouped_run(dg, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims):
+def _k_grouped_run(rt, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims):
     # DeepGEMM reads the scales as [M, sum(ks)/128] MN-major: the transposed views of ours.
-    dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c,
+    rt.dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c,
                                         **rt.dims(compiled_dims))
 
 
@@ -515,17 +514,17 @@ def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
     return kw
 
 
-def _fp8_psum_run(dg, a, sfa, b, sfb, layout, d, *, mk_alignment, use_psum_layout, expected_m,
+def _fp8_psum_run(rt, a, sfa, b, sfb, layout, d, *, mk_alignment, use_psum_layout, expected_m,
                   compiled_dims):
-    _use_alignment(dg, mk_alignment)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, layout,
+    _use_alignment(rt.dg, mk_alignment)
+    rt.dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, layout,
                                         **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
 
 
 def _bf16_layout_run(symbol: str):
-    def run(dg, a, b, layout, d, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
-        _use_alignment(dg, mk_alignment)
-        getattr(dg, symbol)(a, b, d, layout, **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+    def run(rt, a, b, layout, d, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
+        _use_alignment(rt.dg, mk_alignment)
+        getattr(rt.dg, symbol)(a, b, d, layout, **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
     return run
 
 
@@ -663,11 +662,11 @@ def _k_grouped_bf16_shapes(a, b, ks_tensor, c, *, ks):
     return [jax.ShapeDtypeStruct((g, m, n), F32)]
 
 
-def _k_grouped_bf16_run(dg, a, b, ks_tensor, c, d, *, ks, compiled_dims):
+def _k_grouped_bf16_run(rt, a, b, ks_tensor, c, d, *, ks, compiled_dims):
     # upstream's test runs it at mk alignment 128 ("TODO: support arbitrary alignment"): the
     # alignment the checked ks are multiples of
-    _use_alignment(dg, 128)
-    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, **rt.dims(compiled_dims))
+    _use_alignment(rt.dg, 128)
+    rt.dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, **rt.dims(compiled_dims))
 
 
 K_GROUPED_BF16 = Op(

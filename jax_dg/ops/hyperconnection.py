@@ -31,8 +31,8 @@ def _shapes(x, fn, *, num_split):
     return [jax.ShapeDtypeStruct((s, m, n), F32), jax.ShapeDtypeStruct((s, m), F32)]
 
 
-def _run(dg, x, fn, d, sqr_sum, *, num_split):
-    dg.tf32_hc_prenorm_gemm(x, fn, d, sqr_sum, num_split)
+def _run(rt, x, fn, d, sqr_sum, *, num_split):
+    rt.dg.tf32_hc_prenorm_gemm(x, fn, d, sqr_sum, num_split)
 
 
 TF32_HC_PRENORM_GEMM = Op(

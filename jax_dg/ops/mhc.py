@@ -67,7 +67,7 @@ def _shapes(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scale
     return outs
 
 
-def _run(dg, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
+def _run(rt, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
           rmsnorm_weight, *outs, hc_mult, hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps,
           num_sinkhorn_iters, rmsnorm_eps, rmsnorm_scale, with_bf16, sf_layout, shared_sf_block_m):
     outs = list(outs)
@@ -90,7 +90,7 @@ def _run(dg, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
             y_gemm_sf = view
         else:
             y_shared_sf = view
-    dg.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
+    rt.dg.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
                comb_res_mix=comb_res_mix, fn=fn, mix_scales=mix_scales, mix_bases=mix_bases,
                hc_mult=hc_mult, hc_norm_eps=hc_norm_eps, hc_pre_eps=hc_pre_eps,
                hc_post_scale=hc_post_scale, sinkhorn_eps=sinkhorn_eps,

@@ -7,7 +7,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core import runtime as rt
 from jax_dg.core import values
 from jax_dg.core.checks import Checker
 from jax_dg.core.op import REQUIRED, Op, exposes
@@ -86,7 +85,7 @@ def _shapes(x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mas
     return outs
 
 
-def _run(dg, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
+def _run(rt, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
           to_physical_map, logical_count, unmapped_in, topk_idx, topk_weights, unmapped_out=None,
           *, num_topk, scoring_func, routed_scaling_factor, ep_rank, num_shared_experts):
     # DeepGEMM writes int64 indices; int32 outputs (JAX's default) go through a temporary.
@@ -99,7 +98,7 @@ def _run(dg, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_ma
             unmapped = unmapped_out
         else:
             unmapped = unmapped_in.to(rt.int64)
-    dg.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
+    rt.dg.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
                      routed_scaling_factor, ep_rank, scoring_func=scoring_func, mask=mask, bias=bias,
                      image_bias=image_bias, image_token_mask=image_token_mask,
                      fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,

@@ -4,7 +4,7 @@
 
 DeepGEMM (2.5.0, SM90) allocates the logits itself, a buffer with padded rows and columns. The
 custom call's result is declared with that layout and DeepGEMM's allocation lands in it
-(jax_dg.core.landing: no copy, nothing torch keeps, so the call can be captured into a CUDA
+(jax_dg.runtime.landing: no copy, nothing torch keeps, so the call can be captured into a CUDA
 graph). With clean_logits the op's
 finish then runs jax_dg's own kernel, a native call after DeepGEMM's in XLA, in place: -inf at
 the invalid positions of the logical [M, N] block and only there (kernels/neg_inf.cu), so every
@@ -20,8 +20,6 @@ import jax.numpy as jnp
 
 from jax_dg import contracts
 from jax_dg.contracts import SPARSE_BLOCKS, SPARSE_SPLIT_KV
-from jax_dg.core import landing
-from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device, native, values
 from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
@@ -43,7 +41,7 @@ NEG_INF = float("-inf")
 def logits_buffer(t: device.Target, rows: int, stride: int,
                   logits_dtype: str = "float32") -> jax.ShapeDtypeStruct:
     """The custom-call result a padded [rows, stride] logits allocation lands in on target `t`
-    (jax_dg.core.landing): more rows where torch's CUDA allocator rounds the allocation up."""
+    (jax_dg.runtime.landing): more rows where torch's CUDA allocator rounds the allocation up."""
     segmented = t.platform == "cuda"
     itemsize = contracts.LOGITS_ITEMSIZE[logits_dtype]
     return jax.ShapeDtypeStruct((contracts.landing_rows(rows, stride, itemsize, segmented), stride),
@@ -81,14 +79,14 @@ def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, target, max_seqlen_k, l
                   lands=contracts.lands(rows, target.platform == "cuda"))
 
 
-def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, lands, logits_dtype):
+def _mqa_logits_run(rt, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, lands, logits_dtype):
     # DeepGEMM writes its own allocation: land it in `out`. Keywords from the 6th argument on:
     # DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes clean_logits there (a positional int
     # would turn into clean_logits=True); >= 2.8 has no clean_logits at all (backends.deep_gemm
     # drops it by signature). DeepGEMM's own cleaning is never asked for: it has none for the
     # compressed form, and jax_dg's -inf kernel (the op's finish) writes the same positions in
     # every version.
-    landing.land(out, lambda: dg.fp8_fp4_mqa_logits(
+    rt.land(out, lambda: rt.dg.fp8_fp4_mqa_logits(
         (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k,
         logits_dtype=rt.dtype(logits_dtype)), lands)
 
@@ -304,9 +302,9 @@ def _sparse_meta_shapes(ks, ke, indices, *, qk_dtype, sparse_block_kv, num_sms):
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
 
-def _sparse_meta_run(dg, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv):
+def _sparse_meta_run(rt, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv):
     m, nmsb = indices.shape
-    meta = dg.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, rt.dtype(qk_dtype),
+    meta = rt.dg.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, rt.dtype(qk_dtype),
                                              sparse_block_kv, use_unaligned_ks=True)
     rt.write_sparse_metadata(out, (ks, ke, indices), meta, m, nmsb, paged=False,
                              what="get_sparse_mqa_logits_metadata")
@@ -392,10 +390,10 @@ def _sparse_shapes(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_bloc
     return [jax.ShapeDtypeStruct((m, nmsb * sbk), jnp.bfloat16)]
 
 
-def _sparse_run(dg, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
+def _sparse_run(rt, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
                 sparse_block_kv, clean_logits):
     m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
-    logits = dg.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), rt.row_aligned(weights, 8),
+    logits = rt.dg.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), rt.row_aligned(weights, 8),
                                           rt.sparse_payload(metadata, m, nmsb, paged=False), nmsb,
                                           sbk, use_unaligned_ks=True)
     if not clean_logits:

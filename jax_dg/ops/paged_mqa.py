@@ -11,7 +11,7 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
   the kernel as 2-D, as 2.5.0 requires.
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
-- DeepGEMM's padded allocation lands in the custom call's result (jax_dg.core.landing, no
+- DeepGEMM's padded allocation lands in the custom call's result (jax_dg.runtime.landing, no
   copy), as does the schedule the call makes when none is given (a second, scratch result),
   so the call allocates nothing torch keeps and can be captured into a CUDA graph; with
   clean_logits the op's finish then runs jax_dg's
@@ -47,8 +47,6 @@ import jax.numpy as jnp
 
 from jax_dg import contracts
 from jax_dg.backends import deep_gemm
-from jax_dg.core import landing
-from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device, native, values
 from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
@@ -108,7 +106,7 @@ def has_deep_gemm_sparse_mqa() -> bool:
 
 def schedule_buffer(t: device.Target, slots: int) -> jax.ShapeDtypeStruct:
     """The custom-call result DeepGEMM's int32 [slots + 1, 2] schedule allocation lands in on
-    target `t` (jax_dg.core.landing; on CUDA the rows of torch's whole 2 MiB segment)."""
+    target `t` (jax_dg.runtime.landing; on CUDA the rows of torch's whole 2 MiB segment)."""
     segmented = t.platform == "cuda"
     return jax.ShapeDtypeStruct((contracts.landing_rows(slots + 1, 2, 4, segmented), 2), I32)
 
@@ -117,9 +115,9 @@ def _metadata_shapes(context_lens, indices, *, target, num_sms):
     return [schedule_buffer(target, num_sms)]
 
 
-def _metadata_run(dg, context_lens, indices, out, *, block_kv, num_sms):
+def _metadata_run(rt, context_lens, indices, out, *, block_kv, num_sms):
     kw = {} if indices is None else {"indices": indices}
-    landing.land(out, lambda: dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
+    rt.land(out, lambda: rt.dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
 
 
 def _metadata_finish(outs, inputs, *, num_sms):
@@ -216,16 +214,16 @@ def _logits_shapes(q, q_sf, kv_cache, weights, context_lens, block_tables, sched
                   lands=contracts.lands(rows, target.platform == "cuda"))
 
 
-def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+def _logits_run(rt, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                 indices, out, schedule=None, *, max_model_len, slots, lands, logits_dtype):
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # absent (a trace-time fact): the schedule of exactly these rows
-        landing.land(schedule, lambda: dg.get_paged_mqa_logits_metadata(
+        rt.land(schedule, lambda: rt.dg.get_paged_mqa_logits_metadata(
             context_lens, kv_cache.shape[1], slots, **kw))
         schedule_metadata = schedule[:slots + 1]
-    # DeepGEMM's allocation lands in `out` (jax_dg.core.landing). Keywords: positional
+    # DeepGEMM's allocation lands in `out` (jax_dg.runtime.landing). Keywords: positional
     # arguments after the 7th changed meaning across DeepGEMM releases.
-    landing.land(out, lambda: dg.fp8_fp4_paged_mqa_logits(
+    rt.land(out, lambda: rt.dg.fp8_fp4_paged_mqa_logits(
         (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
         max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw), lands)
 
@@ -531,10 +529,10 @@ def _sparse_metadata_shapes(context_lens, block_table, indices, sparse_kv_block_
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
 
-def _sparse_metadata_run(dg, context_lens, block_table, indices, sparse_kv_block_indices, out, *,
+def _sparse_metadata_run(rt, context_lens, block_table, indices, sparse_kv_block_indices, out, *,
                          page_kv, qk_dtype, sparse_block_kv):
     m, nmsb = sparse_kv_block_indices.shape
-    meta = dg.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
+    meta = rt.dg.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
                                                    sparse_kv_block_indices, rt.dtype(qk_dtype),
                                                    sparse_block_kv)
     rt.write_sparse_metadata(out, (context_lens, sparse_kv_block_indices), meta, m, nmsb, paged=True,
@@ -565,10 +563,10 @@ def _sparse_logits_shapes(q, q_sf, kv_cache, weights, metadata, *, num_max_spars
     return [jax.ShapeDtypeStruct((q.shape[0], num_max_sparse_blocks * sparse_block_kv), jnp.bfloat16)]
 
 
-def _sparse_logits_run(dg, q, q_sf, kv_cache, weights, metadata, out, *, num_max_sparse_blocks,
+def _sparse_logits_run(rt, q, q_sf, kv_cache, weights, metadata, out, *, num_max_sparse_blocks,
                        sparse_block_kv, clean_logits):
     m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
-    logits = dg.fp8_fp4_paged_sparse_mqa_logits((q, q_sf), kv_cache, weights,
+    logits = rt.dg.fp8_fp4_paged_sparse_mqa_logits((q, q_sf), kv_cache, weights,
                                                  rt.sparse_payload(metadata, m, nmsb, paged=True),
                                                  nmsb, sbk)
     if not clean_logits:

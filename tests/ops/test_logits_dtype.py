@@ -16,7 +16,7 @@ import pytest
 import jax_dg
 from jax_dg import contracts
 from jax_dg.backends import deep_gemm as dgb
-from jax_dg.core import landing
+from jax_dg.runtime import landing
 from tests.conftest import run, same_bits, to_torch
 from tests.ops.test_mqa import make_inputs, valid_of, varied_ranges
 from tests.ops.test_paged_mqa import lens_2d, make_case

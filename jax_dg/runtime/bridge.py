@@ -2,19 +2,22 @@
 
 XLA calls the generic handler with a `site` attribute: the call-site record
 (jax_dg.core.site: the op, the concrete backend, which optional arguments are present, whether
-the call may be captured, the statics and the trace-time plan). The handler asks
-`_prepare(site, platform)` once per call site for a callable and caches it; every call then
-passes XLA's stream, device ordinal and torch views of the argument and result buffers to it.
+the call may be captured, the statics and the trace-time plan). The handler imports this
+module at its first call (installing its hooks: nothing else imports it, so a process that
+runs no DeepGEMM op imports no torch), asks `_prepare(site, platform)` once per call site for a
+callable and caches it; every call then passes XLA's stream, device ordinal and torch views of
+the argument and result buffers to it.
 
 Capture: an op declared graph-safe (Op.graph_safe) is lowered to a second target whose CUDA
 handler is command-buffer compatible. XLA may then run the call under stream capture on its
 trace stream and replay the recorded kernels without calling Python at all; the call is guarded
-(runtime.capture_guard) so that a torch allocation under capture is an error, never a
-use-after-free on replay.
+(jax_dg.runtime.guards.capture_guard) so that a torch allocation under capture is an error,
+never a use-after-free on replay.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
@@ -22,9 +25,28 @@ import jax  # keep ahead of the extension: loading it first crashes jax's import
 import torch
 
 from jax_dg.core import _bridge
-from jax_dg.core import dispatch, registry, runtime
+from jax_dg.core import dispatch, registry
 from jax_dg.core.site import Site
 from jax_dg.core.statics import pick
+from jax_dg.runtime import guards, landing
+from jax_dg.runtime.run import Run
+
+# XLA element types that DLPack carries as uint8 (see DlpackType in ffi/bridge.cc), from
+# xla/ffi/api/c_api.h (XLA_FFI_DataType, part of the stable FFI ABI).
+FP8_BY_XLA_TYPE = {19: torch.float8_e5m2, 20: torch.float8_e4m3fn}
+
+
+def retype(tensor: torch.Tensor, xla_dtype: int) -> torch.Tensor:
+    """The FP8 view of a uint8 DLPack tensor."""
+    return tensor.view(FP8_BY_XLA_TYPE[xla_dtype])
+
+
+@functools.lru_cache(maxsize=64)
+def torch_stream(stream: int, device: int) -> tuple[int, int, int]:
+    """(stream_id, device_index, device_type) of XLA's CUDA stream, for torch._C._cuda_setStream."""
+    s = torch.cuda.ExternalStream(stream, device=torch.device("cuda", device))
+    return (s.stream_id, s.device_index, s.device_type)
+
 
 def call_count() -> int:
     """Handler entries so far (every platform): a replayed CUDA graph adds none."""
@@ -68,6 +90,7 @@ def _prepare(text: str, platform: str) -> Callable:
     dg = dispatch.kernels(op, site.backend)   # what the trace resolved, for the record's backend
     if _STAGES is not None and platform == "cuda":
         dg = _Timed(dg)
+    rt = Run(dg, landing.lands_into(platform, dg))
     run_op = op.run
 
     # One flat closure per call site: this runs on every call, keep it lean.
@@ -76,14 +99,14 @@ def _prepare(text: str, platform: str) -> Callable:
 
         def run(ins: tuple, outs: tuple) -> None:
             it = iter(ins)
-            run_op(dg, *[next(it) if p else None for p in slots], *outs, **static)
+            run_op(rt, *[next(it) if p else None for p in slots], *outs, **static)
     else:
         def run(ins: tuple, outs: tuple) -> None:
-            run_op(dg, *ins, *outs, **static)
+            run_op(rt, *ins, *outs, **static)
 
-    run = runtime.named_errors(op_name, run)
+    run = guards.named_errors(op_name, run)
     if graph:
-        run = runtime.capture_guard(op_name, platform, run)
+        run = guards.capture_guard(op_name, platform, run)
     if _STAGES is not None and platform == "cuda":
         run = _timed_run(run)
     if platform != "cuda":
@@ -101,7 +124,7 @@ def _prepare(text: str, platform: str) -> Callable:
         # for the call, then give torch its own back.
         xla = streams.get((stream, device))
         if xla is None:
-            xla = streams.setdefault((stream, device), runtime.torch_stream(stream, device))
+            xla = streams.setdefault((stream, device), torch_stream(stream, device))
         prev_device = get_device()
         if prev_device != device:
             set_device(device)
@@ -175,4 +198,4 @@ def cache_sizes() -> tuple[int, int]:
     return _bridge.cache_sizes()
 
 
-_bridge.install(_prepare, runtime.retype)
+_bridge.install(_prepare, retype)
