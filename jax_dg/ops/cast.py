@@ -30,6 +30,8 @@ from jax_dg.operands import quant
 from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.reference import quant as ref
 
+__all__ = ["cast_blocks", "cast_tokens", "per_block_cast_to_fp8", "per_token_cast_to_fp8"]
+
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32

@@ -11,6 +11,8 @@ from jax_dg.core.checks import Checker
 from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import einsum as ref
 
+__all__ = ["einsum", "fp8_einsum"]
+
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 F32 = jnp.float32

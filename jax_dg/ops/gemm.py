@@ -16,6 +16,10 @@ from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED, M_GROUPED_FP8_MASKED
 from jax_dg.reference import gemm as ref
 from jax_dg.operands.scales import MNMajor, logical_view, mn_major_logical, mn_major_physical
 
+__all__ = ["bf16_gemm_nn", "bf16_gemm_nt", "bf16_gemm_tn", "bf16_gemm_tt", "cublaslt_gemm_nn",
+           "cublaslt_gemm_nt", "cublaslt_gemm_tn", "cublaslt_gemm_tt", "fp8_gemm_nn",
+           "fp8_gemm_nt", "fp8_gemm_nt_skip_head_mid", "fp8_gemm_tn", "fp8_gemm_tt"]
+
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 # SM90 scale recipes (gran_m of a, gran_n of b, gran_k) and what each kernel writes:

@@ -29,6 +29,11 @@ from jax_dg.operands.routing import get_mk_alignment_for_contiguous_layout
 from jax_dg.operands.scales import logical_view, mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
 
+__all__ = ["fp8_m_grouped_gemm_nt_masked", "k_grouped_bf16_gemm_tn_contiguous",
+           "k_grouped_fp8_gemm_nt_contiguous", "m_grouped_bf16_gemm_nn_contiguous",
+           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
+           "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
+
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 F32 = jnp.float32

@@ -9,6 +9,8 @@ from jax_dg.core.checks import Checker
 from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import hyperconnection as ref
 
+__all__ = ["tf32_hc_prenorm_gemm"]
+
 F32 = jnp.float32
 
 

@@ -38,6 +38,8 @@ from jax_dg.ops.gemm import FP8_GEMM, RECIPE_CHANNEL, fp8_gemm_nt
 from jax_dg.ops.grouped import K_GROUPED_FP8, M_GROUPED_FP8_MASKED, k_grouped_fp8_gemm_nt_contiguous, \
     m_grouped_fp8_gemm_nt_masked
 
+__all__ = ["fp8_grouped_linear", "fp8_linear"]
+
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 

@@ -10,6 +10,8 @@ from jax_dg.core.checks import Checker
 from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import mhc as ref
 
+__all__ = ["mega_mhc"]
+
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn

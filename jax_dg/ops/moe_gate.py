@@ -12,6 +12,8 @@ from jax_dg.core.checks import Checker
 from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import moe_gate as ref
 
+__all__ = ["bf16_mega_gate"]
+
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 # DeepGEMM's host limits (csrc/apis/mega_gate.hpp, layout/mega_gate.cuh).

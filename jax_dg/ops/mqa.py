@@ -27,6 +27,9 @@ from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
 
+__all__ = ["fp8_fp4_mqa_logits", "fp8_fp4_sparse_mqa_logits", "get_sparse_mqa_logits_metadata",
+           "mqa_logits"]
+
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32

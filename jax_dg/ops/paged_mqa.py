@@ -55,6 +55,12 @@ from jax_dg.ops.mqa import check_logits_dtype, logits_buffer, qk_dtype_name
 from jax_dg.operands.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
 
+__all__ = ["fp8_fp4_paged_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits",
+           "get_paged_mqa_logits_metadata", "get_paged_mqa_page_sizes",
+           "get_paged_sparse_mqa_logits_metadata", "has_deep_gemm_sparse_mqa",
+           "mqa_logits_mx_inputs", "mqa_logits_use_mx_scales", "native_next_n_supported",
+           "paged_mqa_logits"]
+
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32

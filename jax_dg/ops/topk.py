@@ -29,6 +29,8 @@ from jax_dg.reference import mqa as ref_mqa
 from jax_dg.reference import paged_mqa as ref_paged
 from jax_dg.reference import topk as ref
 
+__all__ = ["indexer_topk", "paged_indexer_topk", "topk_indices"]
+
 F32 = jnp.float32
 I32 = jnp.int32
 MAX_K = 4096       # kernels/topk.cu sorts the survivors in shared memory

@@ -268,6 +268,15 @@ def test_what_the_registry_derives():
         f"paged.{n}" for n in jax_dg.paged.__all__}
     exposed = {op.name for fn in registry.functions().values() for op in getattr(fn, "__jax_dg_ops__", ())}
     assert exposed == {n for n in registry.ops() if not n.startswith("_")}
+    # a family's public functions are its module's __all__, which jax_dg exports: an exposed
+    # function left out of it would be an op no user reaches
+    import importlib
+    import pkgutil
+    for info in pkgutil.iter_modules(jax_dg.ops.__path__):
+        module = importlib.import_module(f"jax_dg.ops.{info.name}")
+        marked = {n for n, v in vars(module).items() if hasattr(v, "__jax_dg_ops__")
+                  and getattr(v, "__module__", None) == module.__name__ and not n.startswith("_")}
+        assert marked <= set(module.__all__) <= set(jax_dg.__all__), info.name
     # the differentiable functions: ops with a reverse-mode rule, and the layers marked so
     assert registry.differentiable() == sorted(
         [f"{family}_{s}" for family in ("bf16_gemm", "cublaslt_gemm") for s in ("nt", "nn", "tn", "tt")]
