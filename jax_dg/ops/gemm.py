@@ -331,7 +331,7 @@ def _skip_head_mid_shapes(a, sfa, b, sfb, d, *, head_splits, recipe):
 def _skip_head_mid_run(rt, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, compiled_dims):
     # d is d_in's buffer (aliased): the kernel writes around the heads' middle columns
     rt.dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
-                                 recipe=recipe, **rt.dims(compiled_dims))
+                                    recipe=recipe, **rt.dims(compiled_dims))
 
 
 FP8_GEMM_NT_SKIP_HEAD_MID = Op(

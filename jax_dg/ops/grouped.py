@@ -163,7 +163,7 @@ def _zero_masked_tail(outs, inputs, *, clean):
 def _fp8_contiguous_run(rt, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, compiled_dims):
     _use_alignment(rt.dg, mk_alignment)
     rt.dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
-                                        grouped_layout, **rt.dims(compiled_dims))
+                                           grouped_layout, **rt.dims(compiled_dims))
 
 
 M_GROUPED_FP8_CONTIGUOUS = Op(
@@ -308,7 +308,7 @@ def _masked_shapes(name: str, fp8: bool):
 
 def _fp8_masked_run(rt, a, sfa, b, sfb, masked_m, d, *, expected_m, compiled_dims):
     rt.dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
-                                    expected_m, **rt.dims(compiled_dims))
+                                       expected_m, **rt.dims(compiled_dims))
 
 
 M_GROUPED_FP8_MASKED = Op(
@@ -437,7 +437,7 @@ def _k_grouped_shapes(a, sfa, b, sfb, ks_tensor, c, *, ks):
 def _k_grouped_run(rt, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims):
     # DeepGEMM reads the scales as [M, sum(ks)/128] MN-major: the transposed views of ours.
     rt.dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c,
-                                        **rt.dims(compiled_dims))
+                                           **rt.dims(compiled_dims))
 
 
 K_GROUPED_FP8 = Op(
@@ -510,7 +510,7 @@ def _psum_shapes(name: str, fp8: bool, nn: bool = False):
     return shapes
 
 
-def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
+def _psum_kwargs(rt, use_psum_layout, expected_m, compiled_dims):
     kw = rt.dims(compiled_dims)
     if use_psum_layout:
         kw["use_psum_layout"] = True
@@ -523,13 +523,13 @@ def _fp8_psum_run(rt, a, sfa, b, sfb, layout, d, *, mk_alignment, use_psum_layou
                   compiled_dims):
     _use_alignment(rt.dg, mk_alignment)
     rt.dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, layout,
-                                        **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+                                           **_psum_kwargs(rt, use_psum_layout, expected_m, compiled_dims))
 
 
 def _bf16_layout_run(symbol: str):
     def run(rt, a, b, layout, d, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
         _use_alignment(rt.dg, mk_alignment)
-        getattr(rt.dg, symbol)(a, b, d, layout, **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+        getattr(rt.dg, symbol)(a, b, d, layout, **_psum_kwargs(rt, use_psum_layout, expected_m, compiled_dims))
     return run
 
 

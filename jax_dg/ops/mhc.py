@@ -93,14 +93,14 @@ def _run(rt, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
         else:
             y_shared_sf = view
     rt.dg.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
-               comb_res_mix=comb_res_mix, fn=fn, mix_scales=mix_scales, mix_bases=mix_bases,
-               hc_mult=hc_mult, hc_norm_eps=hc_norm_eps, hc_pre_eps=hc_pre_eps,
-               hc_post_scale=hc_post_scale, sinkhorn_eps=sinkhorn_eps,
-               num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_weight=rmsnorm_weight,
-               rmsnorm_eps=rmsnorm_eps, rmsnorm_scale=rmsnorm_scale, new_residual=new_residual,
-               new_prev_mix=new_prev_mix, new_post_mix=new_post_mix,
-               new_comb_res_mix=new_comb_res_mix, y_bf16=y_bf16, y_fp8=y_fp8, y_gemm_sf=y_gemm_sf,
-               y_routed_sf=y_routed_sf, y_shared_sf=y_shared_sf, shared_sf_block_m=shared_sf_block_m)
+                   comb_res_mix=comb_res_mix, fn=fn, mix_scales=mix_scales, mix_bases=mix_bases,
+                   hc_mult=hc_mult, hc_norm_eps=hc_norm_eps, hc_pre_eps=hc_pre_eps,
+                   hc_post_scale=hc_post_scale, sinkhorn_eps=sinkhorn_eps,
+                   num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_weight=rmsnorm_weight,
+                   rmsnorm_eps=rmsnorm_eps, rmsnorm_scale=rmsnorm_scale, new_residual=new_residual,
+                   new_prev_mix=new_prev_mix, new_post_mix=new_post_mix,
+                   new_comb_res_mix=new_comb_res_mix, y_bf16=y_bf16, y_fp8=y_fp8, y_gemm_sf=y_gemm_sf,
+                   y_routed_sf=y_routed_sf, y_shared_sf=y_shared_sf, shared_sf_block_m=shared_sf_block_m)
 
 
 MEGA_MHC = Op(

@@ -101,11 +101,11 @@ def _run(rt, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_ma
         else:
             unmapped = unmapped_in.to(rt.int64)
     rt.dg.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
-                     routed_scaling_factor, ep_rank, scoring_func=scoring_func, mask=mask, bias=bias,
-                     image_bias=image_bias, image_token_mask=image_token_mask,
-                     fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
-                     logical_count=logical_count, unmapped_topk_idx=unmapped,
-                     out=(idx64, topk_weights))
+                         routed_scaling_factor, ep_rank, scoring_func=scoring_func, mask=mask, bias=bias,
+                         image_bias=image_bias, image_token_mask=image_token_mask,
+                         fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
+                         logical_count=logical_count, unmapped_topk_idx=unmapped,
+                         out=(idx64, topk_weights))
     if idx64 is not topk_idx:
         topk_idx.copy_(idx64)
     if unmapped is not None and unmapped is not unmapped_out:

@@ -202,55 +202,38 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
     logits_dtype: float32 (default) or bfloat16: DeepGEMM rounds each float32 sum to bfloat16
        as it stores it (half the output bytes; -inf stays -inf). Static.
     """
-    arrays, width = mqa_arguments("mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, width = mqa_arguments(
+        "mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
     ck = Checker("mqa_logits")
     dtype = check_logits_dtype(ck, logits_dtype)
-    call = FP8_MQA_LOGITS.bind(*arrays, max_seqlen_k=width, logits_dtype=dtype,
-                               clean_logits=ck.static_bool(clean_logits, "clean_logits"))
-    shape = (arrays[0].shape[0], width or arrays[1].shape[0])
-    if 0 in shape or arrays[1].shape[0] == 0:  # nothing to score: every position is invalid
+    call = FP8_MQA_LOGITS.bind(q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k=width,
+                               logits_dtype=dtype, clean_logits=ck.static_bool(clean_logits, "clean_logits"))
+    shape = (q.shape[0], width or kv.shape[0])
+    if 0 in shape or kv.shape[0] == 0:  # nothing to score: every position is invalid
         return jnp.full(shape, NEG_INF, dtype)
     (logits,) = call()
     return logits
 
 
-def mqa_arguments(name: str, q, kv, weights, ks, ke, max_seqlen_k):
-    """The logits op's arrays (q values, kv values, kv scale, weights, ks, ke) and static
-    width from the public arguments: q's scale folded into the weights; with a width, ke cut
-    to ks + width (DeepGEMM does not check max_seqlen_k >= ke - ks: a longer row would be
-    written into the next one, so a row keeps its first width keys)."""
+def mqa_arguments(name: str, q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k):
+    """The logits op's arrays (q values, kv values, kv scale, weights, ks, ke) and its static
+    width from the public arguments, checked: q's scale folded into the weights, the key
+    ranges brought into [0, N] and, with a width, ke cut to ks + width (jax_dg.core.values:
+    DeepGEMM checks neither)."""
     ck = Checker(name)
-    qv, weights = _q_values_and_weights(ck, q, weights)
-    kvv, kvs = ck.pair(kv, "kv")
-    for x, arg in ((kvv, "kv[0]"), (kvs, "kv[1]"), (ks, "cu_seqlen_ks"), (ke, "cu_seqlen_ke")):
+    q, weights = _q_values_and_weights(ck, q, weights)
+    kv, kv_sf = ck.pair(kv, "kv")
+    for x, arg in ((kv, "kv[0]"), (kv_sf, "kv[1]"), (cu_seqlen_ks, "cu_seqlen_ks"),
+                   (cu_seqlen_ke, "cu_seqlen_ke")):
         ck.array(x, arg)
     width = 0 if max_seqlen_k is None else ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
-    ck.dtype(ks, "cu_seqlen_ks", I32)
-    ck.dtype(ke, "cu_seqlen_ke", I32)
-    if ks.shape == ke.shape and ks.ndim == 1 and kvv.ndim == 2:   # else the shape function names it
-        ks, ke = clamp_key_ranges(name, ks, ke, kvv.shape[0])
-        if width:
-            ke = clamp_row_ends(ks, ke, width)
-    return (qv, kvv, kvs, weights, ks, ke), width
-
-
-def clamp_key_ranges(name: str, ks, ke, num_keys: int):
-    """(ks, ke) brought into 0 <= ks <= ke <= N (a clamp on two [M] vectors, fused by XLA):
-    DeepGEMM reads keys [ks, ke) unchecked. A row's range becomes [clip(ks, 0, N),
-    clip(ke, ks', N)): keys outside [0, N) do not exist, ke <= ks stays an empty row. In
-    checked mode (jax_dg.checked) ks < 0 or ke > N raises instead."""
-    values.require(name, "cu_seqlen_ks", ks >= 0, "must be >= 0 (a key index)", ks)
-    values.require(name, "cu_seqlen_ke", ke <= num_keys, f"must be <= N = {num_keys} (keys)", ke)
-    ks = jnp.clip(ks, 0, num_keys)
-    return ks, jnp.clip(ke, ks, num_keys)
-
-
-def clamp_row_ends(ks, ke, width: int):
-    """ke cut to ks + width, exactly for every int32 pair (ke - ks is taken modulo 2**32, so
-    no overflow), and never below ks."""
-    span = jax.lax.bitcast_convert_type(ke, jnp.uint32) - jax.lax.bitcast_convert_type(ks, jnp.uint32)
-    span = jnp.where(ke > ks, jnp.minimum(span, jnp.uint32(width)), jnp.uint32(0))
-    return ks + span.astype(I32)
+    ck.dtype(cu_seqlen_ks, "cu_seqlen_ks", I32)
+    ck.dtype(cu_seqlen_ke, "cu_seqlen_ke", I32)
+    if cu_seqlen_ks.shape == cu_seqlen_ke.shape and cu_seqlen_ks.ndim == 1 and kv.ndim == 2:
+        # (else the shape rule names what is wrong)
+        cu_seqlen_ks, cu_seqlen_ke = values.key_ranges(name, cu_seqlen_ks, cu_seqlen_ke,
+                                                       kv.shape[0], width)
+    return q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, width
 
 
 @exposes(FP8_MQA_LOGITS)
@@ -308,7 +291,7 @@ def _sparse_meta_shapes(ks, ke, indices, *, qk_dtype, sparse_block_kv, num_sms):
 def _sparse_meta_run(rt, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv):
     m, nmsb = indices.shape
     meta = rt.dg.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, rt.dtype(qk_dtype),
-                                             sparse_block_kv, use_unaligned_ks=True)
+                                                sparse_block_kv, use_unaligned_ks=True)
     rt.write_sparse_metadata(out, (ks, ke, indices), meta, m, nmsb, paged=False,
                              what="get_sparse_mqa_logits_metadata")
 
@@ -397,8 +380,8 @@ def _sparse_run(rt, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_spars
                 sparse_block_kv, clean_logits):
     m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
     logits = rt.dg.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), rt.row_aligned(weights, 8),
-                                          rt.sparse_payload(metadata, m, nmsb, paged=False), nmsb,
-                                          sbk, use_unaligned_ks=True)
+                                             rt.sparse_payload(metadata, m, nmsb, paged=False), nmsb,
+                                             sbk, use_unaligned_ks=True)
     if not clean_logits:
         out.copy_(logits)
         return

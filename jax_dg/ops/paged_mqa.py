@@ -539,8 +539,8 @@ def _sparse_metadata_run(rt, context_lens, block_table, indices, sparse_kv_block
                          page_kv, qk_dtype, sparse_block_kv):
     m, nmsb = sparse_kv_block_indices.shape
     meta = rt.dg.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
-                                                   sparse_kv_block_indices, rt.dtype(qk_dtype),
-                                                   sparse_block_kv)
+                                                      sparse_kv_block_indices, rt.dtype(qk_dtype),
+                                                      sparse_block_kv)
     rt.write_sparse_metadata(out, (context_lens, sparse_kv_block_indices), meta, m, nmsb, paged=True,
                              what="get_paged_sparse_mqa_logits_metadata")
 

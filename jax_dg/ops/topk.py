@@ -210,13 +210,14 @@ def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
     logits are float32 (the selection kernel's input; there is no logits_dtype here).
     sorted=False: the same set in ascending key order, without the sort (see topk_indices).
     """
-    arrays, width = mqa.mqa_arguments("indexer_topk", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke,
-                                      max_seqlen_k)
+    q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, width = mqa.mqa_arguments(
+        "indexer_topk", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
     ck = Checker("indexer_topk")
     k = _check_k(ck, k)
-    call = INDEXER_TOPK.bind(*arrays, k=k, sorted=_check_sorted(ck, sorted), max_seqlen_k=width)
-    if 0 in arrays[0].shape[:1] or arrays[1].shape[0] == 0:
-        return jnp.full((arrays[0].shape[0], k), -1, I32)
+    call = INDEXER_TOPK.bind(q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, k=k,
+                             sorted=_check_sorted(ck, sorted), max_seqlen_k=width)
+    if 0 in q.shape[:1] or kv.shape[0] == 0:
+        return jnp.full((q.shape[0], k), -1, I32)
     (idx,) = call()
     return idx
 
