@@ -77,7 +77,6 @@ from jax_dg.ops.cast import *  # noqa: F401,F403
 from jax_dg.ops.einsum import *  # noqa: F401,F403
 from jax_dg.ops.gemm import *  # noqa: F401,F403
 from jax_dg.ops.grouped import *  # noqa: F401,F403
-from jax_dg.ops.hyperconnection import *  # noqa: F401,F403
 from jax_dg.ops.linear import *  # noqa: F401,F403
 from jax_dg.ops.mhc import *  # noqa: F401,F403
 from jax_dg.ops.moe_gate import *  # noqa: F401,F403
