@@ -136,7 +136,8 @@ def decode_row(block, twin, size, b, n):
 
 def handler_entries() -> int:
     """jax_dg's handler entries so far (the bridge's and its own kernels')."""
-    from jax_dg.core import bridge, native
+    from jax_dg.core import native
+    from jax_dg.runtime import bridge
     return bridge.call_count() + native.call_count()
 
 

@@ -21,7 +21,7 @@ size is calibrated on a profiled ladder of sizes (busy us of both in the table; 
 = jax_dg - control). "extra waited/pipelined" = jax_dg us - control us: the host cost jax_dg
 adds to an XLA execution (target <= 10 us); the ratio columns (plotted) are us / control us.
 
-Where the bridge has its probe (jax_dg.core.bridge.probe), the waited executions of jax_dg are
+Where the bridge has its probe (jax_dg.runtime.bridge.probe), the waited executions of jax_dg are
 run once more with it on, time.monotonic_ns() taken before each call and after its wait, and
 each is broken down (medians, us): dispatch-entry (the call until XLA enters jax_dg's handler),
 entry-gil (waiting for the GIL), gil-ready (call site and DLPack views), ready-done (the Python
@@ -51,7 +51,7 @@ import timeline   # the environment, the cases' inputs and the profiler helpers
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core import bridge
+from jax_dg.runtime import bridge
 
 EXECS = 50
 CONTROL_SIZE = 2048

@@ -8,7 +8,7 @@ DeepSeek V3.2 indexer shapes (H=64, D=128), causal prefill masks as in DeepGEMM'
   compressed   the [S, max(ke-ks)] form; torch: DeepGEMM's raw output (tail unwritten),
                jax_dg: the tail set to -inf
 ratio = torch time / jax_dg time (target >= 0.98). DeepGEMM allocates its padded output itself;
-jax_dg lands that allocation in XLA's result buffer (jax_dg.core.landing) and writes -inf at the
+jax_dg lands that allocation in XLA's result buffer (jax_dg.runtime.landing) and writes -inf at the
 invalid positions in place (kernels/neg_inf.cu), so a returned array costs one XLA pass (the
 slice; `copy us` times a torch copy of that size alone, `copy %` its share of jax_dg).
 Consumed inside the program, the slice fuses into the reader: `max/max` compares DeepGEMM +

@@ -9,7 +9,7 @@ metadata is computed once outside the timed loops for every contender (a decode 
 across layers); only the logits are timed.
 
 DeepGEMM allocates its own logits; jax_dg lands that allocation in XLA's result buffer
-(jax_dg.core.landing; B64 ctx8192's 2 MiB in a buffer holding torch's 20 MiB segment), writes
+(jax_dg.runtime.landing; B64 ctx8192's 2 MiB in a buffer holding torch's 20 MiB segment), writes
 -inf past each row's length in place (kernels/neg_inf.cu: nothing to write here, every request
 is at the full context) and the returned [rows, max_model_len] array is cut out by one XLA slice
 (the pass a returned array costs; "copy us" times a torch copy of the same size alone). jax_dg

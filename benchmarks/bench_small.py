@@ -29,15 +29,18 @@ import torch
 
 import deep_gemm
 import jax_dg
+from jax_dg.core import registry
 from jax_dg.core.op import Op
 from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.reference.gemm import dequant
 
 # A graph-safe op that does nothing: the fixed cost of one jax_dg call (XLA's custom-call thunk
 # and the bridge, Python included), with no kernel and no DeepGEMM host work.
-NOOP = Op(name="_bench_noop", args=("x",), shapes=lambda x: [jax.ShapeDtypeStruct((1,), jnp.float32)],
+NOOP = Op(name="_bench_noop", args=("x",), statics={},
+          shapes=lambda x: [jax.ShapeDtypeStruct((1,), jnp.float32)],
           run=lambda dg, x, out: None, reference=lambda x: jnp.zeros((1,), jnp.float32),
           graph_safe=frozenset({"sm90", "sm100"}))
+registry.register(NOOP)
 
 R = 64
 FP8_SHAPES = [(m, n, k) for m in (1, 64, 128) for n, k in ((2112, 7168), (4096, 7168), (576, 7168))]
@@ -127,7 +130,7 @@ def closure_us() -> float:
     """The Python part of one call: the bridge's prepared closure (torch stream switch, capture
     guard, run function) called directly with torch views, no XLA."""
     import time
-    from jax_dg.core import bridge
+    from jax_dg.runtime import bridge
     from jax_dg.core.site import Site
     fn = bridge._prepare(Site("_bench_noop", "deep_gemm", (True,), True, {}).encode(), "cuda")
     stream = torch.cuda.Stream()
@@ -214,8 +217,8 @@ def main():
           f"graphs off {off.get('noop', {}).get('jax_dg', float('nan')):.2f} us; of which the Python "
           f"closure {on['closure']['jax_dg']:.2f} us; one tiny XLA fusion for comparison: graphs on "
           f"{on['xla_tiny']['jax_dg']:.2f} us, off {off.get('xla_tiny', {}).get('jax_dg', float('nan')):.2f} us")
-    from jax_dg.core import runtime
-    print(f"graph-safe call sites: {runtime.CAPTURE_STATS}")
+    from jax_dg.runtime import guards
+    print(f"graph-safe call sites: {guards.CAPTURE_STATS}")
     table = []
     for name, (eager, graph) in rows:
         r = {"shape": name, "torch_eager_us": eager, "torch_graph_us": graph,

@@ -23,7 +23,8 @@ import numpy as np
 import bench_paged_mqa as bp
 import deep_gemm
 import jax_dg
-from jax_dg.core import bridge, native
+from jax_dg.core import native
+from jax_dg.runtime import bridge
 from jax_dg.ops import paged_mqa as pm
 
 GRAPH = {"xla_gpu_graph_min_graph_size": 1}

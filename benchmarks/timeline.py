@@ -459,7 +459,8 @@ def handler_entries(runs: dict, n: int) -> dict:
     """jax_dg's handler entries (bridge and native) per call of each jax_dg side, over one more
     sample after the timed ones: 0 where XLA replays a recorded command buffer, one or more where
     it runs (or re-records) the custom calls."""
-    from jax_dg.core import bridge, native
+    from jax_dg.core import native
+    from jax_dg.runtime import bridge
     out = {}
     for side, (run, sync) in runs.items():
         if side == "torch":

@@ -42,7 +42,7 @@ namespace {
 
 enum class Platform : int { kCpu = 0, kCuda = 1 };
 
-// Python hooks, set once by jax_dg.core.bridge. Heap objects that are never freed: their
+// Python hooks, set once by jax_dg.runtime.bridge (imported by the first call). Heap objects that are never freed: their
 // destructors must not run after the interpreter is gone.
 nb::object* g_prepare = nullptr;  // prepare(site: str, platform: str) -> callable
 nb::object* g_retype = nullptr;   // retype(tensor, xla_dtype: int) -> tensor (fp8 views)
@@ -165,14 +165,17 @@ ffi::Error Call(Platform platform, void* stream, int32_t device, std::string_vie
   const bool probe = g_probe.load(std::memory_order_relaxed);
   std::array<uint64_t, 6> t{};
   if (probe) t[0] = static_cast<uint64_t>(pthread_self()), t[1] = NowNs();
-  if (g_prepare == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_dg bridge: called before jax_dg.core.bridge installed its hooks");
-  }
   KeepPythonThreadState();
   nb::gil_scoped_acquire gil;
   if (probe) t[2] = NowNs();
   try {
+    // The Python half installs its hooks when imported; nothing but this call imports it, so
+    // a process that runs no DeepGEMM op never imports it (nor torch).
+    if (g_prepare == nullptr) nb::module_::import_("jax_dg.runtime.bridge");
+    if (g_prepare == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "jax_dg bridge: jax_dg.runtime.bridge installed no hooks");
+    }
     const nb::object& fn = Site(site, platform);
     nb::tuple ins = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(args.size())));
     nb::tuple outs = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(rets.size())));
@@ -222,7 +225,7 @@ ffi::Error CudaCall(void* stream, int32_t device, std::string_view site, ffi::Re
 
 // --- landing: a torch allocation placed in an XLA buffer ----------------------------------------
 //
-// jax_dg.core.landing arms a slot with an XLA result buffer, routes the current thread's torch
+// jax_dg.runtime.landing arms a slot with an XLA result buffer, routes the current thread's torch
 // allocations to a fresh MemPool backed by these two functions, and makes the DeepGEMM call.
 // The slot is per thread (torch allocates on the calling thread) and serves one request: a
 // second request, or one larger than the buffer, gets nullptr (torch then fails the
@@ -239,7 +242,7 @@ struct Slot {
 thread_local Slot t_slot;
 std::atomic<uint64_t> g_landed{0}, g_refused{0}, g_released{0};
 // Landed requests per device: torch's allocation counts are per device, and the capture guard
-// (jax_dg.core.runtime.allocations) subtracts this device's landings from them only (another
+// (jax_dg.runtime.guards.allocations) subtracts this device's landings from them only (another
 // device's shard may land at the same time on its own thread).
 constexpr int kMaxDevices = 256;
 std::array<std::atomic<uint64_t>, kMaxDevices> g_landed_on{};

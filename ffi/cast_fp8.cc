@@ -23,16 +23,15 @@ extern "C" int JaxDgCastFp8(const void* x, int in_f32, int batch, int rows, int 
                             uint8_t* qt, float* sqt, cudaStream_t stream);
 #endif
 
+namespace jax_dg_native {
 namespace {
-
-using namespace jax_dg_native;   // NOLINT: the shared helpers
 
 constexpr int64_t kTile = 128;
 
 int64_t Cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t Align(int64_t a, int64_t b) { return Cdiv(a, b) * b; }
 
-struct CastFp8 {
+struct CastParams {
   const void* x;
   bool in_f32;
   int batch, rows, cols, rows_t;
@@ -42,6 +41,7 @@ struct CastFp8 {
   float* sq;
   uint8_t* qt;                 // nullptr: not asked for (sqt with it)
   float* sqt;
+  bool aligned;                // every buffer 16-byte aligned (the CUDA kernel's accesses)
 };
 
 ffi::Error Expect(const ffi::AnyBuffer& buf, const char* what, ffi::DataType type,
@@ -57,9 +57,9 @@ ffi::Error Expect(const ffi::AnyBuffer& buf, const char* what, ffi::DataType typ
   return Invalid("cast_fp8", std::string(what) + " is " + Dims(d) + ", expected " + want + "]");
 }
 
-ffi::Error PlanCast(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 1> valid_rows, ffi::AnyBuffer& q,
-                    ffi::AnyBuffer& sq, ffi::AnyBuffer& qt, ffi::AnyBuffer& sqt, bool per_block,
-                    bool ue8m0, bool has_valid, bool rows_out, bool cols_out, CastFp8* p) {
+ffi::Error PlanCast(CastParams* p, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 1> valid_rows,
+                    ffi::AnyBuffer& q, ffi::AnyBuffer& sq, ffi::AnyBuffer& qt, ffi::AnyBuffer& sqt,
+                    bool per_block, bool ue8m0, bool has_valid, bool rows_out, bool cols_out) {
   const char* name = "cast_fp8";
   const ffi::DataType t = x.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) {
@@ -101,13 +101,15 @@ ffi::Error PlanCast(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 1> valid_rows, ffi::
     check(sqt, "sqt (not asked for)", f32, {0});
   }
   if (e.failure()) return e;
-  *p = CastFp8{x.untyped_data(), t == ffi::DataType::F32, static_cast<int>(b), static_cast<int>(r),
+  bool aligned = true;
+  for (const ffi::AnyBuffer* buf : {&x, &q, &sq, &qt, &sqt}) aligned = aligned && Aligned16(*buf);
+  *p = CastParams{x.untyped_data(), t == ffi::DataType::F32, static_cast<int>(b), static_cast<int>(r),
                static_cast<int>(c), static_cast<int>(rt), has_valid ? valid_rows.typed_data() : nullptr,
                per_block, ue8m0,
                rows_out ? static_cast<uint8_t*>(q.untyped_data()) : nullptr,
                rows_out ? static_cast<float*>(sq.untyped_data()) : nullptr,
                cols_out ? static_cast<uint8_t*>(qt.untyped_data()) : nullptr,
-               cols_out ? static_cast<float*>(sqt.untyped_data()) : nullptr};
+               cols_out ? static_cast<float*>(sqt.untyped_data()) : nullptr, aligned};
   return ffi::Error::Success();
 }
 
@@ -174,7 +176,7 @@ float CastLine(int64_t n, bool ue8m0, At at, Out out) {
 }
 
 template <typename In>
-void CastCpu(const CastFp8& p) {
+void CastCpu(const CastParams& p) {
   const int64_t R = p.rows, C = p.cols, Rt = p.rows_t, KB = Cdiv(C, kTile), MB = Cdiv(R, kTile);
   const int64_t MBt = Cdiv(Rt, kTile), Ra = Align(R, 4), Ca = Align(C, 4);
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -234,61 +236,49 @@ void CastCpu(const CastFp8& p) {
   }
 }
 
-ffi::Error CastCpuHandler(ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 1> valid_rows,
-                          ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> sq,
-                          ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::AnyBuffer> sqt,
-                          bool per_block, bool ue8m0, bool has_valid, bool rows_out, bool cols_out) {
-  Count();
-  CastFp8 p;
-  ffi::Error e = PlanCast(x, valid_rows, *q, *sq, *qt, *sqt, per_block, ue8m0, has_valid, rows_out,
-                          cols_out, &p);
-  if (e.failure()) return e;
-  return Guarded("cast_fp8", [&] { p.in_f32 ? CastCpu<float>(p) : CastCpu<uint16_t>(p); });
-}
+struct CastFp8 {
+  using Params = CastParams;
+
+  static ffi::Error Plan(Params* p, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 1> valid_rows,
+                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> sq,
+                         ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::AnyBuffer> sqt,
+                         bool per_block, bool ue8m0, bool has_valid, bool rows_out, bool cols_out) {
+    return PlanCast(p, x, valid_rows, *q, *sq, *qt, *sqt, per_block, ue8m0, has_valid, rows_out,
+                    cols_out);
+  }
+
+  static ffi::Error Cpu(const Params& p) {
+    return Guarded("cast_fp8", [&] { p.in_f32 ? CastCpu<float>(p) : CastCpu<uint16_t>(p); });
+  }
 
 #ifdef JAX_DG_CUDA
-ffi::Error CastCudaHandler(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32, 1> valid_rows,
-                           ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> sq,
-                           ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::AnyBuffer> sqt,
-                           bool per_block, bool ue8m0, bool has_valid, bool rows_out, bool cols_out) {
-  const char* name = "cast_fp8";
-  Count();
-  CastFp8 p;
-  ffi::Error e = PlanCast(x, valid_rows, *q, *sq, *qt, *sqt, per_block, ue8m0, has_valid, rows_out,
-                          cols_out, &p);
-  if (e.failure()) return e;
-  for (const ffi::AnyBuffer* buf : {&x, &*q, &*sq, &*qt, &*sqt}) {
-    if (!Aligned16(*buf)) return Invalid(name, "a buffer is not 16-byte aligned");
+  static ffi::Error Cuda(cudaStream_t stream, const Params& p) {
+    const char* name = "cast_fp8";
+    if (!p.aligned) return Invalid(name, "a buffer is not 16-byte aligned");
+    return CudaStatus(name, JaxDgCastFp8(p.x, p.in_f32 ? 1 : 0, p.batch, p.rows, p.cols,
+                                         p.valid_rows, p.per_block ? 1 : 0, p.ue8m0 ? 1 : 0, p.q,
+                                         p.sq, p.qt, p.sqt, stream));
   }
-  ClearStaleError();
-  return CudaStatus(name, JaxDgCastFp8(p.x, p.in_f32 ? 1 : 0, p.batch, p.rows, p.cols, p.valid_rows,
-                                       p.per_block ? 1 : 0, p.ue8m0 ? 1 : 0, p.q, p.sq, p.qt, p.sqt,
-                                       stream));
-}
 #endif
 
-template <typename B>
-auto CastBinding(B b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()             // x [B, R, C], float32 or bfloat16
-      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // valid_rows [B] or [0]
-      .template Ret<ffi::AnyBuffer>()             // q
-      .template Ret<ffi::AnyBuffer>()             // sq
-      .template Ret<ffi::AnyBuffer>()             // qt
-      .template Ret<ffi::AnyBuffer>()             // sqt
-      .template Attr<bool>("per_block")
-      .template Attr<bool>("ue8m0")
-      .template Attr<bool>("has_valid")
-      .template Attr<bool>("rows_out")
-      .template Attr<bool>("cols_out");
-}
+  template <typename B>
+  static auto Bind(B b) {
+    return std::move(b)
+        .template Arg<ffi::AnyBuffer>()             // x [B, R, C], float32 or bfloat16
+        .template Arg<ffi::Buffer<ffi::S32, 1>>()   // valid_rows [B] or [0]
+        .template Ret<ffi::AnyBuffer>()             // q
+        .template Ret<ffi::AnyBuffer>()             // sq
+        .template Ret<ffi::AnyBuffer>()             // qt
+        .template Ret<ffi::AnyBuffer>()             // sqt
+        .template Attr<bool>("per_block")
+        .template Attr<bool>("ue8m0")
+        .template Attr<bool>("has_valid")
+        .template Attr<bool>("rows_out")
+        .template Attr<bool>("cols_out");
+  }
+};
 
 }  // namespace
+}  // namespace jax_dg_native
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDgNativeCastFp8Cpu, CastCpuHandler, CastBinding(ffi::Ffi::Bind()));
-#ifdef JAX_DG_CUDA
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxDgNativeCastFp8Cuda, CastCudaHandler,
-    CastBinding(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-    {ffi::Traits::kCmdBufferCompatible});
-#endif
+JAX_DG_NATIVE_HANDLERS(CastFp8, jax_dg_native::CastFp8);

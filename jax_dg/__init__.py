@@ -1,35 +1,42 @@
 """jax_dg: DeepGEMM's kernels as XLA FFI custom calls for JAX.
 
-A call, top to bottom. While tracing, an op's public function (jax_dg/ops) binds its Op
-record: the arguments are checked and the results shaped once, core.dispatch decides what runs
-(DeepGEMM, its torch emulation, jax_dg's own kernel, or the pure-JAX reference), the record's
-plan decides the rest, and core.site carries all of it to the bridge as one versioned
-call-site record; what follows DeepGEMM's call (the -inf fill, the top-k, the zero rows) is
-composed in XLA as native calls. At run time XLA calls ffi/bridge.cc, which hands DLPack views
-and XLA's stream to the site's prepared closure: the DeepGEMM call and nothing else. jax_dg's
-own kernels run as typed FFI handlers (ffi/native.cc): no Python, capturable in CUDA graphs.
+A call, top to bottom (docs/architecture.md draws it). While tracing (the trace-time half: the
+ops, core), an op's public function binds its Op record for the call's one target
+(core.device): the arguments are checked, and the shape rule returns the result types with the
+plan, once; core.dispatch, the one resolver, says what runs (DeepGEMM, its torch emulation,
+jax_dg's own kernel, or the pure-JAX reference); core.site carries what was decided to the
+bridge as one versioned call-site record; what follows DeepGEMM's call (the -inf fill, the
+top-k, the zero rows) is composed in XLA as native calls. At run time (the run-time half,
+jax_dg.runtime, which alone imports torch) XLA calls ffi/bridge.cc, which hands DLPack views and
+XLA's stream to the site's prepared closure: the DeepGEMM call and nothing else. jax_dg's own
+kernels run as typed FFI handlers (ffi/<kernel>.cc): no Python, capturable in CUDA graphs.
 
 Layers, top to bottom; a module imports only from its own layer or the layers below it
-(tests/test_layering.py enforces it, and that there is no import cycle):
+(tests/test_layering.py enforces it, that there is no import cycle, and where torch is
+imported):
 
   nn         jax_dg.nn.*: Flax NNX layers on the ops (the optional `flax` extra: nothing
              imports it, and `import jax_dg` does not)
-  public     jax_dg (this file), jax_dg.__main__ (`python -m jax_dg info | warmup`)
-  ops        jax_dg.ops.*: one Op declaration per kernel family, and their public functions;
+  public     jax_dg (this file: the public names, and the op registry filled from them),
+             jax_dg.__main__ (`python -m jax_dg info | warmup`)
+  ops        jax_dg.ops.*: one module per kernel family: its Op records and public functions;
              jax_dg.operands.*: what users make the ops' operands with (quant, scales,
              routing, paged, indexer); jax_dg.tools.*: what works around the ops (warmup,
              exporting, interop between torch and JAX arrays, capability queries)
-  core       jax_dg.core.*: the Op record and its call (op), its declared statics (statics),
-             the call-site record (site), the dispatch resolver (dispatch), the bridge's
-             Python half (bridge), jax_dg's own
-             kernels' custom calls (native), derivatives, sharding, checks and errors, index
-             values (values), the device and trace target (device), backend selection
-             (backend), torch-side helpers of run functions (runtime), DeepGEMM's allocations
-             landed in XLA's buffers (landing)
+  runtime    jax_dg.runtime.*: the run-time half, beside the ops (nothing of jax_dg imports it;
+             the bridge's C++ handler does, at its first call): the bridge's Python half
+             (bridge), what a run function receives (run), the guards around it (guards),
+             DeepGEMM's allocations landed in XLA's buffers (landing)
+  core       jax_dg.core.*: the trace-time half: the Op record and its call (op), its declared
+             statics (statics), the op registry (registry), the call-site record (site), the
+             resolver (dispatch), jax_dg's own kernels' custom calls (native), derivatives,
+             sharding, checks and errors, index values (values), the device and the trace's
+             target (device), backend selection (backend)
   reference  jax_dg.reference.*: the pure-JAX references (the test oracle, backend "xla")
   backends   jax_dg.backends.*: DeepGEMM's API: deep_gemm (the installed package, resolved
-             across versions; a leaf that imports nothing of jax_dg) and torch_emu (DeepGEMM's
-             kernels emulated in plain torch: the CPU backend)
+             across versions; a leaf that imports nothing of jax_dg), emulated (the device the
+             emulations emulate) and torch_emu (DeepGEMM's kernels emulated in plain torch: the
+             CPU backend)
   numerics   jax_dg.numerics: DeepGEMM's FP8 quantisation arithmetic in jax.numpy (scale factor,
              UE8M0 rounding, the cast), the one piece of math the product and the pure-JAX
              reference share (imports jax and at most contracts; the backends do not use it)
@@ -41,7 +48,7 @@ jax_dg.reference (only the ops' declarations name it, as their `reference=`, the
 backend). Import order matters: jax is imported before the compiled extensions.
 """
 
-import jax  # noqa: F401  (must precede the extension, see jax_dg/core/bridge.py)
+import jax  # noqa: F401  (must precede the extensions, see jax_dg/core/registry.py)
 
 from jax_dg.operands import paged  # jax_dg.paged: pack/unpack paged KV caches, build block tables
 from jax_dg.tools.capability import (
@@ -56,7 +63,6 @@ from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
 from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
 from jax_dg.core.values import checked  # data-dependent index values raise instead of being clamped
-from jax_dg.tools import interop
 from jax_dg.tools.exporting import export_safety_checks
 from jax_dg.tools.warmup import warmup
 from jax_dg.operands.indexer import (
@@ -65,63 +71,19 @@ from jax_dg.operands.indexer import (
     per_row_cast_to_fp8,
     varlen_causal_ks_ke,
 )
-from jax_dg.ops.cast import cast_blocks, cast_tokens
-from jax_dg.ops.einsum import einsum, fp8_einsum
-from jax_dg.ops.gemm import (
-    bf16_gemm_nn,
-    bf16_gemm_nt,
-    bf16_gemm_tn,
-    bf16_gemm_tt,
-    cublaslt_gemm_nn,
-    cublaslt_gemm_nt,
-    cublaslt_gemm_tn,
-    cublaslt_gemm_tt,
-    fp8_gemm_nn,
-    fp8_gemm_nt,
-    fp8_gemm_nt_skip_head_mid,
-    fp8_gemm_tn,
-    fp8_gemm_tt,
-)
-from jax_dg.ops.grouped import (
-    fp8_m_grouped_gemm_nt_masked,
-    k_grouped_bf16_gemm_tn_contiguous,
-    k_grouped_fp8_gemm_nt_contiguous,
-    m_grouped_bf16_gemm_nn_contiguous,
-    m_grouped_bf16_gemm_nt_contiguous,
-    m_grouped_bf16_gemm_nt_masked,
-    m_grouped_fp8_gemm_nt_contiguous,
-    m_grouped_fp8_gemm_nt_masked,
-)
-from jax_dg.ops.hyperconnection import tf32_hc_prenorm_gemm
-from jax_dg.ops.linear import fp8_grouped_linear, fp8_linear
-from jax_dg.ops.mhc import mega_mhc
-from jax_dg.ops.moe_gate import bf16_mega_gate
-from jax_dg.ops.mqa import (
-    fp8_fp4_mqa_logits,
-    fp8_fp4_sparse_mqa_logits,
-    get_sparse_mqa_logits_metadata,
-    mqa_logits,
-)
-from jax_dg.ops.paged_mqa import (
-    fp8_fp4_paged_mqa_logits,
-    fp8_fp4_paged_sparse_mqa_logits,
-    get_paged_mqa_logits_metadata,
-    get_paged_mqa_page_sizes,
-    get_paged_sparse_mqa_logits_metadata,
-    has_deep_gemm_sparse_mqa,
-    mqa_logits_mx_inputs,
-    mqa_logits_use_mx_scales,
-    native_next_n_supported,
-    paged_mqa_logits,
-)
-from jax_dg.ops.topk import indexer_topk, paged_indexer_topk, topk_indices
-from jax_dg.operands.quant import (
-    calc_diff,
-    ceil_to_ue8m0,
-    pack_ue8m0_to_int,
-    per_block_cast_to_fp8,
-    per_token_cast_to_fp8,
-)
+# each kernel family's public functions: its module's __all__ (a new op's function is exported
+# where it is declared)
+from jax_dg.ops.cast import *  # noqa: F401,F403
+from jax_dg.ops.einsum import *  # noqa: F401,F403
+from jax_dg.ops.gemm import *  # noqa: F401,F403
+from jax_dg.ops.grouped import *  # noqa: F401,F403
+from jax_dg.ops.linear import *  # noqa: F401,F403
+from jax_dg.ops.mhc import *  # noqa: F401,F403
+from jax_dg.ops.moe_gate import *  # noqa: F401,F403
+from jax_dg.ops.mqa import *  # noqa: F401,F403
+from jax_dg.ops.paged_mqa import *  # noqa: F401,F403
+from jax_dg.ops.topk import *  # noqa: F401,F403
+from jax_dg.operands.quant import calc_diff, ceil_to_ue8m0, pack_ue8m0_to_int
 from jax_dg.operands.routing import (
     ContiguousLayout,
     MaskedLayout,
@@ -152,5 +114,21 @@ __version__ = "0.1.0"
 
 # What a user calls (what `python -m jax_dg info` lists): the names above, jax_dg.paged and
 # jax_dg.interop.
-__all__ = sorted(n for n, v in list(globals().items()) if not n.startswith("_")
-                 and (not isinstance(v, type(jax)) or n in ("paged", "interop")))
+__all__ = sorted([n for n, v in list(globals().items()) if not n.startswith("_")
+                  and (not isinstance(v, type(jax)) or n == "paged")] + ["interop"])
+
+
+def __getattr__(name: str):
+    # jax_dg.interop (torch <-> JAX arrays) imports torch: loaded when first used, so that
+    # `import jax_dg` and tracing need no torch (the run time of a DeepGEMM op imports it)
+    if name == "interop":
+        from jax_dg.tools import interop
+        return interop
+    raise AttributeError(f"module 'jax_dg' has no attribute {name!r}")
+
+
+# jax_dg's one op registry, filled here: the public names, and the ops their functions expose
+from jax_dg.core import registry  # noqa: E402
+
+registry.register_public({**{n: globals()[n] for n in __all__ if n in globals()},
+                          **{f"paged.{n}": getattr(paged, n) for n in paged.__all__}})

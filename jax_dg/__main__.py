@@ -36,8 +36,7 @@ def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple
     from jax_dg.core import dispatch
     from jax_dg.core.device import Target
     where = "cuda" if platform_name == "gpu" else platform_name
-    concrete = "xla" if backend == "xla" else selection.concrete(backend, where, strict=False)
-    t = Target(concrete, where, family or contracts.EMULATED_ARCH, 0)
+    t = Target(selection.concrete(backend, where), where, family or contracts.EMULATED_ARCH, 0)
     how = dispatch.resolve(op, (), t, requested=backend)
     if how.runs == "raises":
         return "raises", f"{type(how.error).__name__}: {how.why}"
@@ -64,15 +63,11 @@ def function_status(fn, platform_name: str, family: str | None, backend: str) ->
 
 
 def public_functions() -> list[tuple[str, Any]]:
-    """(name, function) of what a user calls: jax_dg's public callables and jax_dg.operands.paged's."""
-    import jax_dg
-    out = []
-    for prefix, mod in (("", jax_dg), ("paged.", jax_dg.operands.paged)):
-        for name in mod.__all__:
-            obj = getattr(mod, name)
-            if callable(obj) and not isinstance(obj, type):   # functions, jitted ones too
-                out.append((prefix + name, obj))
-    return out
+    """(name, function) of what a user calls: the registry's public functions (jax_dg's, and
+    jax_dg.paged's as "paged.<name>")."""
+    import jax_dg  # noqa: F401  (fills the registry)
+    from jax_dg.core import registry
+    return sorted(registry.functions().items())
 
 
 def collect() -> dict[str, Any]:

@@ -21,6 +21,7 @@ def align(a: int, b: int) -> int:
 ARCH_FAMILIES = {9: "sm90", 10: "sm100", 12: "sm120"}   # compute-capability major -> family
 DEEP_GEMM_ARCHS = frozenset({"sm90", "sm100"})          # where DeepGEMM has kernels
 EMULATED_ARCH = "sm90"     # the contract the references emulate off the GPU
+EMULATED_VERSION = (2, 5)  # the DeepGEMM release whose layouts the references emulate
 DEFAULT_NUM_SMS = 132      # H100 / H200 SXM: what the references schedule for without a GPU
 
 # --- grouped GEMMs ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import torch
 
 import jax_dg
-from jax_dg.core import bridge
+from jax_dg.runtime import bridge
 from jax_dg.tools.interop import to_torch
 
 

@@ -169,8 +169,9 @@ def trace_for_gpu(monkeypatch, arch: str) -> None:
         return kernel
     def target():
         requested = selection.requested()
-        backend = "xla" if requested == "xla" else selection.concrete(requested, "cuda")
-        return device.Target(backend, "cuda", arch, 132)
+        backend = selection.concrete(requested, "cuda")
+        version = deep_gemm.version_tuple() if backend == "deep_gemm" else device.Target.version
+        return device.Target(backend, "cuda", arch, 132, version)
     monkeypatch.setattr(device, "target", target)
     monkeypatch.setattr(native, "cuda_built", lambda: True)
     monkeypatch.setattr(deep_gemm, "module", lambda: object())

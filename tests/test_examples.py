@@ -151,7 +151,8 @@ def test_gpu_the_examples_prefill_and_decode_loop_replay_without_python():
     import numpy as np
     from flax import nnx
 
-    from jax_dg.core import bridge, native
+    from jax_dg.core import native
+    from jax_dg.runtime import bridge
     example = load("deepseek_v32_block")
     graph, state = nnx.split(example.make_block(example.parse_args([])))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 0, example.SIZE["vocab"])

@@ -1,6 +1,7 @@
 """The package's layering (jax_dg/__init__.py's docstring): every import, at module level or
-inside a function, goes to the module's own layer or one it may use, no import cycle exists, and
-the product's helpers and layers never import the pure-JAX reference (the test oracle)."""
+inside a function, goes to the module's own layer or one it may use, no import cycle exists,
+the product's helpers and layers never import the pure-JAX reference (the test oracle), and
+torch is imported only by the run-time half and the backends (and the torch interop)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ MAY_IMPORT = {
     "backends": {"contracts", "backends"},
     "reference": {"contracts", "numerics", "reference"},
     "core": {"contracts", "numerics", "backends", "core"},
+    # the run-time half: what runs inside a DeepGEMM call; nothing of jax_dg imports it (the
+    # bridge's C++ handler does, at its first call)
+    "runtime": {"contracts", "numerics", "backends", "core", "runtime"},
     "ops": {"contracts", "numerics", "backends", "reference", "core", "ops"},
     "public": {"contracts", "numerics", "backends", "reference", "core", "ops", "public"},
     "nn": {"contracts", "numerics", "core", "ops", "nn"},   # never the oracle, never the package root
@@ -44,7 +48,7 @@ def layer(module: str) -> str:
         return "nn"
     if any(module == f"jax_dg.{f}" or module.startswith(f"jax_dg.{f}.") for f in OPS_FOLDERS):
         return "ops"
-    for name in ("backends", "reference", "core"):
+    for name in ("backends", "reference", "core", "runtime"):
         if module == f"jax_dg.{name}" or module.startswith(f"jax_dg.{name}."):
             return name
     raise AssertionError(f"{module} is in no layer: add it to the table in jax_dg/__init__.py")
@@ -83,7 +87,8 @@ def violations(g: dict[str, set[str]]) -> list[str]:
     for src, targets in g.items():
         for dst in sorted(targets):
             if dst == "jax_dg" or (src.startswith(dst + ".") and dst in (
-                    "jax_dg.backends", "jax_dg.reference", "jax_dg.core", "jax_dg.ops")):
+                    "jax_dg.backends", "jax_dg.reference", "jax_dg.core", "jax_dg.ops",
+                    "jax_dg.runtime")):
                 continue  # the package itself (a parent package import is no dependency)
             if src in LEAVES:
                 bad.append(f"{src} -> {dst}: {src} must import nothing of jax_dg")
@@ -153,7 +158,30 @@ def test_the_layout_shows_the_layers():
     root = sorted(p.stem for p in ROOT.glob("*.py"))
     assert root == ["__init__", "__main__", "contracts", "numerics"]
     folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("_"))
-    assert folders == ["backends", "core", "nn", "operands", "ops", "reference", "tools"]
+    assert folders == ["backends", "core", "nn", "operands", "ops", "reference", "runtime", "tools"]
+
+
+# The modules that may import torch: the run-time half, the torch emulation, the torch interop
+# (its purpose), and `info`, which reports torch's version.
+TORCH_MODULES = ("jax_dg.runtime", "jax_dg.backends.torch_emu", "jax_dg.tools.interop",
+                 "jax_dg.__main__")
+
+
+def torch_importers() -> set[str]:
+    out = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] == "torch" for n in names):
+                out.add(name)
+    return out
+
+
+def test_torch_is_imported_only_by_the_run_time_half_and_the_backends():
+    found = torch_importers()
+    assert {m for m in found if not m.startswith(TORCH_MODULES)} == set()
+    assert "jax_dg.runtime.run" in found and "jax_dg.backends.torch_emu.device" in found
 
 
 def test_no_import_cycle():

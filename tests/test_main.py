@@ -7,7 +7,7 @@ import sys
 
 import jax_dg
 from jax_dg import __main__ as cli
-from jax_dg.core.op import OPS
+from jax_dg.core import registry
 
 
 def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
@@ -19,7 +19,7 @@ def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
     assert names <= set(jax_dg.__all__) | {f"paged.{n}" for n in jax_dg.operands.paged.__all__}
     # every registered op is reachable from some public function
     exposed = {op for f in info["functions"] for op in f["ops"]}
-    assert exposed == {n for n in OPS if not n.startswith("_")}
+    assert exposed == {n for n in registry.ops() if not n.startswith("_")}
     gate = next(f for f in info["functions"] if f["name"] == "bf16_mega_gate")
     assert gate["ops"] == ["bf16_mega_gate"]
     assert next(f for f in info["functions"] if f["name"] == "calc_diff")["mode"] == "jax"
@@ -36,7 +36,7 @@ def test_collect_lists_what_a_user_calls_with_what_it_runs_on():
 
 
 def test_op_status_reasons():
-    op = OPS["bf16_mega_gate"]
+    op = registry.op("bf16_mega_gate")
     mode, how = cli.op_status(op, "gpu", "sm90", "auto")
     assert mode == "raises" and "UnsupportedArchError" in how and "needs sm100" in how
     assert cli.op_status(op, "gpu", "sm100", "xla") == ("reference", "pure-JAX reference (JAX_DG_BACKEND=xla)")
@@ -49,7 +49,7 @@ def test_jax_dgs_own_kernels_are_not_looked_for_in_deep_gemm(monkeypatch):
     # logits kernel runs them natively
     from jax_dg.backends import deep_gemm
     from jax_dg.core import native
-    ops = OPS
+    ops = registry.ops()
     monkeypatch.setattr(native, "cuda_built", lambda: True)   # as on a GPU install
     monkeypatch.setattr(deep_gemm, "module", lambda: object())
     monkeypatch.setattr(deep_gemm, "lookup", lambda name: (lambda: None) if name == "fp8_fp4_mqa_logits" else None)

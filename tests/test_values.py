@@ -282,10 +282,12 @@ def test_checked_is_part_of_the_jit_cache_key_and_off_by_default(monkeypatch):
 def test_compressed_clamp_does_not_overflow_near_int_min():
     ks = jnp.array([INT_MIN, INT_MIN + 1, -1, 2 ** 31 - 1], I32)
     ke = jnp.array([2 ** 31 - 1, 5, 2 ** 31 - 1, INT_MIN], I32)
-    from jax_dg.ops import mqa
-    ks2, ke2 = mqa.clamp_key_ranges("t", ks, ke, 40)
-    ke3 = mqa.clamp_row_ends(ks2, ke2, 16)
+    from jax_dg.core import values
+    ks2, ke2 = values.key_ranges("t", ks, ke, 40)
+    ks3, ke3 = values.key_ranges("t", ks, ke, 40, width=16)
     np.testing.assert_array_equal(np.asarray(ks2), [0, 0, 0, 40])
+    np.testing.assert_array_equal(np.asarray(ke2), [40, 5, 40, 40])
+    np.testing.assert_array_equal(np.asarray(ks3), np.asarray(ks2))
     np.testing.assert_array_equal(np.asarray(ke3), [16, 5, 16, 40])
 
 

@@ -1,10 +1,10 @@
-"""The kernel namespaces an op's run function is written against (DeepGEMM's API):
+"""The kernel namespaces an op's run function is written against (DeepGEMM's API, `rt.dg`):
 
   deep_gemm  the installed DeepGEMM, found lazily, symbols resolved across versions (a leaf:
              it imports nothing of jax_dg)
-  kernels    jax_dg's own CUDA kernels (kernels/*.cu; the indexer's top-k), where built
   torch_emu  DeepGEMM's API implemented in plain torch (the CPU backend, any device on request),
-             and references of jax_dg's own kernels
+             with its own landing of the one allocation a logits call makes
+  emulated   the device the emulations emulate (its SM count), without torch
 
-Which one runs is chosen in jax_dg.core.backend.
+Which one runs is decided while tracing (jax_dg.core.backend, jax_dg.core.dispatch).
 """

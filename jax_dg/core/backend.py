@@ -48,25 +48,10 @@ def use_backend(name: str):
         yield
 
 
-def concrete(backend: str, platform: str, strict: bool = True) -> str:
-    """The backend that runs on a platform ("cpu" or "cuda"): "deep_gemm" or "torch".
-
-    deep_gemm on a non-CUDA platform raises (strict) or is returned as asked (the call reports it).
-    """
+def concrete(backend: str, platform: str) -> str:
+    """The backend asked for, made concrete for a platform ("cpu" or "cuda"): "auto" is
+    "deep_gemm" on CUDA and "torch" elsewhere; every other choice is itself (deep_gemm on a CPU
+    is the resolver's to refuse, jax_dg.core.dispatch)."""
     if backend == "auto":
         return "deep_gemm" if platform == "cuda" else "torch"
-    if backend == "deep_gemm" and platform != "cuda" and strict:
-        raise RuntimeError(f"{ENV}=deep_gemm needs a CUDA device; this call runs on {platform}. "
-                           f"Use {ENV}=auto (torch emulation on CPU).")
     return backend
-
-
-def namespace(backend: str, platform: str, symbols: tuple[str, ...]):
-    """The kernel namespace an op's run function receives as `dg`: the resolved DeepGEMM
-    symbols, or the torch emulation (which implements DeepGEMM's API in plain torch).
-    `backend` is the concrete one the call-site record carries."""
-    if concrete(backend, platform) == "torch":
-        from jax_dg.backends import torch_emu
-        return torch_emu
-    from jax_dg.backends import deep_gemm
-    return deep_gemm.namespace(symbols)

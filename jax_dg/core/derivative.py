@@ -12,10 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from jax_dg.core import registry
 from jax_dg.core.checks import NotDifferentiableError
-
-DIFFERENTIABLE = ("bf16_gemm_{nt,nn,tn,tt}", "cublaslt_gemm_{nt,nn,tn,tt}", "fp8_linear",
-                  "fp8_grouped_linear")
 
 # A reverse-mode rule: (inputs {name: array}, output cotangents[, saved], **static) ->
 # {name: input cotangent}; absent names (or None) get zeros (float0 for integer inputs).
@@ -80,7 +78,7 @@ def without_derivative(name: str, call: Callable) -> Callable:
             return out, jax.tree.map(lambda o: np.zeros(o.shape, jax.dtypes.float0), out)
         raise NotDifferentiableError(
             f"jax_dg: `{name}` has no derivative rule. Differentiable jax_dg functions: "
-            f"{', '.join(DIFFERENTIABLE)}; or trace the pure-JAX reference with "
+            f"{', '.join(registry.differentiable())}; or trace the pure-JAX reference with "
             "jax_dg.use_backend('xla') (JAX_DG_BACKEND=xla), which JAX differentiates.")
     f.defjvp(jvp)
     return f

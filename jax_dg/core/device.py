@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from jax_dg import contracts
-from jax_dg.backends import deep_gemm
+from jax_dg.backends import deep_gemm, emulated
 from jax_dg.core import backend as selection
 
 
@@ -67,27 +67,31 @@ def platform() -> str:
 @dataclasses.dataclass(frozen=True)
 class Target:
     """What a function traced now will run on: the concrete backend, the GPU architecture whose
-    DeepGEMM contract applies, and the SM count its kernels schedule for."""
+    DeepGEMM contract applies, the SM count its kernels schedule for, and the DeepGEMM release
+    whose layouts apply."""
     backend: str     # "deep_gemm", "torch" or "xla"
     platform: str    # "cuda" or "cpu"
     arch: str        # "sm90", "sm100", ...; the references emulate contracts.EMULATED_ARCH
     num_sms: int
+    # (major, minor) of the installed DeepGEMM on "deep_gemm"; the references emulate
+    # contracts.EMULATED_VERSION
+    version: tuple[int, int] = contracts.EMULATED_VERSION
 
 
 def target() -> Target:
     """The target of functions traced now: jax's default platform and the requested backend.
 
-    DeepGEMM on CUDA: the device's family and `deep_gemm.get_num_sms()` (which the logits
-    kernel checks the schedule against; `deep_gemm.set_num_sms` changes both). The references
-    (CPU, or JAX_DG_BACKEND=torch/xla) emulate the SM90 contract with the CUDA device's SM
-    count, or 132 (H100/H200) without one; `jax_dg.backends.torch_emu.set_num_sms` overrides it.
+    DeepGEMM on CUDA: the device's family, `deep_gemm.get_num_sms()` (which the logits kernel
+    checks the schedule against; `deep_gemm.set_num_sms` changes both) and DeepGEMM's version.
+    The emulations (CPU, or JAX_DG_BACKEND=torch/xla) emulate the SM90 contract of DeepGEMM
+    2.5 with jax_dg.backends.emulated's SM count: the CUDA device's, or 132 (H100/H200) without
+    one; `jax_dg.backends.torch_emu.set_num_sms` overrides it.
     """
     where = platform()
     requested = selection.requested()
-    concrete = "xla" if requested == "xla" else selection.concrete(requested, where, strict=False)
+    concrete = selection.concrete(requested, where)
     if concrete == "deep_gemm" and where == "cuda":
         dg = deep_gemm.module()
         if dg is not None:
-            return Target(concrete, where, family(), int(dg.get_num_sms()))
-    from jax_dg.backends.torch_emu import device as emulated
+            return Target(concrete, where, family(), int(dg.get_num_sms()), deep_gemm.version_tuple())
     return Target(concrete, where, contracts.EMULATED_ARCH, emulated.get_num_sms())

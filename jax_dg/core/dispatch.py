@@ -1,7 +1,9 @@
 """Which implementation runs an op here, and why: the one resolver.
 
 The op call (jax_dg.core.op), `python -m jax_dg info` and the warm-up (jax_dg.tools.warmup)
-all ask `resolve`, so what a call does and what jax_dg says it does cannot drift apart.
+all ask `resolve`, so what a call does and what jax_dg says it does cannot drift apart; the
+bridge asks `kernels` for what the call-site record's backend runs, from the DeepGEMM symbols
+the trace resolved (`symbols`, the one place that looks them up).
 
     runs        what         at run time
     "deep_gemm" DeepGEMM's kernel through the bridge (DLPack views, XLA's stream)
@@ -35,6 +37,27 @@ class Dispatch:
         if self.error is not None:
             raise self.error
         return self
+
+
+def symbols(op) -> tuple[dict, list[str]]:
+    """({name: callable} of `op`'s DeepGEMM symbols in the installed DeepGEMM (adapted across
+    versions, jax_dg.backends.deep_gemm), [the names it lacks])."""
+    found = {name: deep_gemm.lookup(name) for name in op.symbols}
+    return ({n: f for n, f in found.items() if f is not None},
+            [n for n, f in found.items() if f is None])
+
+
+def kernels(op, backend: str):
+    """The kernel namespace `op`'s run function calls for `backend`, the concrete one a
+    call-site record carries: the torch emulation (DeepGEMM's API in plain torch), or the
+    DeepGEMM symbols `symbols` resolves (one missing raises, naming it)."""
+    if backend == "torch":
+        from jax_dg.backends import torch_emu
+        return torch_emu
+    found, missing = symbols(op)
+    if missing:
+        raise deep_gemm.missing_error(missing[0])
+    return deep_gemm.Namespace(**found)
 
 
 def needs(op, given: Sequence[str] = ()) -> frozenset[str]:
@@ -89,10 +112,10 @@ def _resolve(op, given: Sequence[str], t: Target, requested: str) -> Dispatch:
     if deep_gemm.module() is None:
         return Dispatch("raises", f"deep_gemm not importable; {deep_gemm.INSTALL_HINT}",
                         error=deep_gemm.missing_error(op.symbols[0] if op.symbols else op.name))
-    missing = [s for s in op.symbols if deep_gemm.lookup(s) is None]
+    found, missing = symbols(op)
     if missing:
         return Dispatch("raises", f"deep_gemm {deep_gemm.version()} lacks {', '.join(missing)}; "
                         f"{selection.ENV}=torch or xla runs the reference",
                         error=deep_gemm.missing_error(missing[0]))
-    names = ", ".join(getattr(deep_gemm.lookup(s), "__name__", s) for s in op.symbols)
+    names = ", ".join(getattr(fn, "__name__", s) for s, fn in found.items())
     return Dispatch("deep_gemm", f"DeepGEMM: {names}{mine}", graph=t.arch in op.graph_safe)

@@ -19,25 +19,16 @@ import jax.numpy as jnp
 
 from jax_dg.core import _native
 
-TARGETS: dict[str, str] = {
-    "topk": "jax_dg_native_topk",
-    "neg_inf_outside": "jax_dg_native_neg_inf_outside",
-    "zero_masked_tail": "jax_dg_native_zero_masked_tail",
-    "zero_padding_rows": "jax_dg_native_zero_padding_rows",
-    "cast_fp8": "jax_dg_native_cast_fp8",
-    "paged_sanitise": "jax_dg_native_paged_sanitise",
-}
+PREFIX = "jax_dg_native_"
+# short name -> custom-call target, from the handler table (ffi/native.cc): registered with
+# XLA by jax_dg.core.registry
+TARGETS: dict[str, str] = {t.removeprefix(PREFIX): t for t in _native.handlers()}
 
 
-def _register() -> None:
-    handlers = _native.handlers()
-    assert set(handlers) == set(TARGETS.values()), sorted(handlers)
-    for target in TARGETS.values():
-        for platform, capsule in handlers[target].items():
-            jax.ffi.register_ffi_target(target, capsule, platform=platform)
-
-
-_register()
+def handlers() -> dict:
+    """target -> {platform: handler capsule}: the CPU handler of every kernel, and the CUDA
+    one where built."""
+    return _native.handlers()
 
 
 def cuda_built() -> bool:

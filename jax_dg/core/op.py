@@ -3,37 +3,49 @@
     FP8_GEMM_NT = Op(
         name="fp8_gemm_nt",
         args=("a", "sfa", "b", "sfb", "c"),   # array arguments, None allowed (absent)
-        shapes=_shapes,      # trace time: (*avals, **static) -> the call's result types;
-                             #   checks the arguments, raising ArgumentError naming one
-        plan=_plan,          # trace time: (*avals, **static) -> {name: value}: what the run
-                             #   function needs decided (layouts, landing size); optional
-        run=_run,            # run time, torch side: (dg, *in_tensors, *out_tensors, statics
-                             #   and plan entries it names): the DeepGEMM call, no decision
-        reference=_ref,      # (*arrays, **static) -> outputs in jax.numpy (oracle, backend "xla")
+        statics={"out_dtype": REQUIRED, "recipe": REQUIRED, "compiled_dims": None},
+                             # the call's static arguments: name -> default (REQUIRED: none)
+        shapes=_shapes,      # trace time: (*avals, **the statics it names, and `target`, the
+                             #   call's jax_dg.core.device.Target, if it names it) -> the result
+                             #   types, or shaped(types, **plan): with what the run function
+                             #   and the finish need decided (layouts, landing); checks the
+                             #   arguments, raising ArgumentError naming one
+        run=_run,            # run time, torch side: (rt, *in_tensors, *out_tensors, the statics
+                             #   and plan entries it names): the DeepGEMM call (rt.dg), no
+                             #   decision; rt: jax_dg.runtime.run.Run
+        reference=_ref,      # (*arrays, **statics it names) -> outputs in jax.numpy (the
+                             #   oracle, backend "xla")
         symbols=("fp8_gemm_nt",),             # DeepGEMM symbols `run` uses
         aliases={"c": 0},                     # input that XLA may donate to result 0
         archs=frozenset({"sm90", "sm100"}),   # where DeepGEMM has the kernel
         arg_archs={},                         # arguments whose kernel form needs other archs
         graph_safe=frozenset({"sm90"}),       # where the call may be captured into a CUDA graph
-        finish=None,         # (results, {arg: array}, **static) -> what the op returns, in XLA:
-                             #   slices of padded results, jax_dg's own kernels that follow
+        finish=None,         # (results, {arg: array}, **statics and plan entries it names) ->
+                             #   what the op returns, in XLA: slices of padded results,
+                             #   jax_dg's own kernels that follow
     )
 
-An op runs either DeepGEMM through the bridge (`run`, written against DeepGEMM's API: `dg` is
-the resolved DeepGEMM symbols on CUDA or the torch emulation of the same contract) or one of
-jax_dg's own kernels (`native`: the lowering to its typed FFI handler, jax_dg.core.native, with
-no Python at run time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
+Every record function receives exactly the statics (and plan entries) it names as keyword-only
+parameters (jax_dg.core.statics.pick): a static is declared once, in `statics`, and reaches the
+functions that use it.
 
-A call is checked and shaped once (`Op.bind`), planned once, and carried to the bridge as one
-call-site record (jax_dg.core.site); a shard under custom_partitioning is shaped and planned
-for its own shapes. `finish` composes in XLA what follows the custom call:
-the logical view of a padded result, or a native kernel over it (the -inf fill, the top-k).
+An op runs either DeepGEMM through the bridge (`run`, written against DeepGEMM's API: `rt.dg` is
+the resolved DeepGEMM symbols on CUDA or the torch emulation of the same contract; `rt` gives
+the torch-side helpers, so an op module imports no torch) or one of jax_dg's own kernels
+(`native`: the lowering to its typed FFI handler, jax_dg.core.native, with no Python at run
+time). `jax_dg.core.dispatch.resolve` decides which, once, while tracing.
+
+A call is checked, shaped and planned once (`Op.bind`), for one target (jax_dg.core.device:
+platform, backend, architecture, SM count, DeepGEMM version) computed once, and carried to the
+bridge as one call-site record (jax_dg.core.site); a shard under custom_partitioning is shaped
+and planned for its own shapes. `finish` composes in XLA what follows the custom call: the
+logical view of a padded result, or a native kernel over it (the -inf fill, the top-k).
 Batching, sharding and derivatives see the finished outputs.
 
 `graph_safe` names where `run` allocates nothing on torch's side and launches the same work on
 every call (DeepGEMM architectures, or "torch" for the torch emulation): there the op lowers to
 the command-buffer-compatible target, so XLA may capture it into a CUDA graph (see
-jax_dg.core.bridge). Native ops are always capture-safe on CUDA.
+jax_dg.runtime.bridge). Native ops are always capture-safe on CUDA.
 """
 
 from __future__ import annotations
@@ -44,23 +56,36 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from jax_dg import contracts
-from jax_dg.core import bridge, derivative, device, dispatch, native, sharding
+from jax_dg.core import derivative, device, dispatch, registry, sharding
 from jax_dg.core.checks import Checker, is_torch_tensor
 from jax_dg.core.site import Site
-from jax_dg.core.statics import REQUIRED, declared, pick  # noqa: F401  (REQUIRED: for records)
+from jax_dg.core.statics import REQUIRED, pick  # noqa: F401  (REQUIRED: for records)
 
 
-OPS: dict[str, "Op"] = {}   # every op declared, by name (test-only ops start with "_")
+@dataclasses.dataclass(frozen=True)
+class Shaped:
+    """What a shape rule decided: the call's result types and its plan (entries the run
+    function and the finish receive as keywords where they name them)."""
+    types: tuple
+    plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def shaped(types: Sequence[jax.ShapeDtypeStruct], **plan: Any) -> Shaped:
+    """A shape rule's result with its plan: `return shaped([out], lands=True)`."""
+    return Shaped(tuple(types), plan)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Op:
     name: str
     args: tuple[str, ...]
-    shapes: Callable[..., Sequence[jax.ShapeDtypeStruct]]
+    # The op's statics, one record: name -> default (REQUIRED: none). A call passes only
+    # declared names; each record function receives the ones it names (pick).
+    statics: Mapping[str, Any]
+    shapes: Callable[..., Sequence[jax.ShapeDtypeStruct] | Shaped]
     reference: Callable[..., Any]
     run: Callable[..., None] | None = None
     native: Callable[..., Any] | None = None
-    plan: Callable[..., Mapping[str, Any]] | None = None
     symbols: tuple[str, ...] = ()
     # jax_dg's own kernels the op launches (jax_dg.core.native): its native lowering, or what
     # its finish composes after DeepGEMM's call (e.g. the -inf fill)
@@ -80,11 +105,6 @@ class Op:
     # which are contracted; None: XLA gathers the operands and runs the op whole on each device.
     sharding: Any = None
     finish: Callable[..., Sequence[Any]] | None = None
-    # The op's statics, one record: name -> default (REQUIRED: none). None: the keyword-only
-    # parameters of `shapes`. A call passes only declared names; each record function
-    # receives the ones it names (pick), so adding a static is one edit here plus its uses.
-    statics: Mapping[str, Any] | None = None
-    ffi_name: str = dataclasses.field(default="", init=False)   # the bridge's custom-call target
 
     def __post_init__(self):
         if (self.run is None) == (self.native is None):
@@ -92,56 +112,69 @@ class Op:
                             "bridge) and native (jax_dg's own kernel)")
         if self.native is not None and not self.own_kernels:
             raise TypeError(f"Op {self.name}: a native op names its kernel in own_kernels")
-        if self.statics is None:
-            object.__setattr__(self, "statics", declared(self.shapes))
-        OPS[self.name] = self
-        object.__setattr__(self, "ffi_name", bridge.register_op(self) if self.run else "")
+        if not isinstance(self.statics, Mapping):
+            raise TypeError(f"Op {self.name}: declare its statics, {{name: default}} ({{}}: none)")
+
+    @property
+    def ffi_name(self) -> str:
+        """The bridge's custom-call target of a DeepGEMM op (jax_dg.core.registry registers it)."""
+        return f"jax_dg_{self.name}"
 
     def complete(self, static: Mapping[str, Any]) -> dict:
         """The call's statics checked against the declaration, defaults filled in."""
-        if self.statics is None:
-            return dict(static)
         unknown = sorted(set(static) - set(self.statics))
         missing = sorted(k for k, d in self.statics.items() if d is REQUIRED and k not in static)
         if unknown or missing:
             raise TypeError(f"{self.name}: " + "; ".join(
                 ([f"unknown static(s) {', '.join(unknown)}"] if unknown else [])
                 + ([f"missing static(s) {', '.join(missing)}"] if missing else []))
-                + f" (declared: {', '.join(self.statics)})")
+                + f" (declared: {', '.join(self.statics) or 'none'})")
         return {**{k: d for k, d in self.statics.items() if d is not REQUIRED}, **static}
 
-    def bind(self, *arrays: Any, **static: Any) -> "Call":
-        """The call checked and shaped (once): inspect `.types`, then call it."""
+    def shape(self, arrays: Sequence[Any], static: Mapping[str, Any], t: device.Target) -> Shaped:
+        """The shape rule's result types and plan for these arrays on target `t`."""
+        out = self.shapes(*arrays, **pick(self.shapes, {**static, "target": t}))
+        out = out if isinstance(out, Shaped) else Shaped(tuple(out))
+        assert not out.plan.keys() & static.keys(), f"{self.name}: a plan entry shadows a static"
+        return out
+
+    def bind(self, *arrays: Any, target: device.Target | None = None, **static: Any) -> "Call":
+        """The call checked, shaped and planned (once) for `target` (default: the target of a
+        function traced now): inspect `.types`, then call it."""
         if len(arrays) != len(self.args):
             raise TypeError(f"{self.name}: expected {len(self.args)} arrays, got {len(arrays)}")
         for name, a in zip(self.args, arrays):   # before the shape function reads them
             if is_torch_tensor(a):
                 Checker(self.name).array(a, name)
         static = self.complete(static)
-        return Call(self, arrays, static, tuple(self.shapes(*arrays, **pick(self.shapes, static))))
+        t = device.target() if target is None else target
+        out = self.shape(arrays, static, t)
+        return Call(self, arrays, static, t, out.types, out.plan)
 
-    def __call__(self, *arrays: Any, **static: Any):
-        return self.bind(*arrays, **static)()
+    def __call__(self, *arrays: Any, target: device.Target | None = None, **static: Any):
+        return self.bind(*arrays, target=target, **static)()
 
-    def gate(self, given: Sequence[str] = ()) -> None:
-        """Raises while tracing what a call passing `given` arguments would raise on this target
+    def gate(self, t: device.Target, given: Sequence[str] = ()) -> None:
+        """Raises while tracing what a call passing `given` arguments would raise on target `t`
         (UnsupportedArchError, a missing DeepGEMM): for a public function whose own checks
         depend on the architecture."""
-        dispatch.resolve(self, given, device.target()).check()
+        dispatch.resolve(self, given, t).check()
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One traced call of an op: its arguments, statics and result types, checked."""
+    """One traced call of an op: its arguments, statics, target, result types and plan."""
     op: Op
     arrays: tuple
     static: Mapping[str, Any]
+    target: device.Target
     types: tuple
+    plan: Mapping[str, Any]
 
     def __call__(self):
         op, static = self.op, dict(self.static)
         given = [n for n, a in zip(op.args, self.arrays) if a is not None]
-        how = dispatch.resolve(op, given, device.target()).check()
+        how = dispatch.resolve(op, given, self.target).check()
         if how.runs == "xla":
             outs = op.reference(*self.arrays, **pick(op.reference, static))
             return outs if isinstance(outs, tuple) else (outs,)
@@ -160,84 +193,81 @@ class Call:
         it = iter(xs)
         return [next(it) if a is not None else None for a in self.arrays]
 
-    def _finish(self, outs, full):
+    def _finish(self, outs, full, plan):
         if self.op.finish is not None:
             outs = self.op.finish(outs, dict(zip(self.op.args, full)),
-                                  **pick(self.op.finish, self.static))
+                                  **pick(self.op.finish, {**self.static, **plan}))
         return tuple(outs)
 
     def _native(self):
+        traced = _avals(self.arrays)
+
         def plain(xs):
+            """The native call for these arrays' shapes (the traced ones, or a shard's): its
+            lowering receives the result types if it names `types`."""
             full = self._full(xs)
-            outs = self.op.native(*full, **pick(self.op.native, self.static))
-            return self._finish(outs if isinstance(outs, (tuple, list)) else (outs,), full)
+            types = (self.types if _avals(full) == traced
+                     else self.op.shape(full, self.static, self.target).types)
+            outs = self.op.native(*full, **pick(self.op.native, {**self.static, "types": types}))
+            return self._finish(outs if isinstance(outs, (tuple, list)) else (outs,), full, {})
         return plain
 
     def _bridged(self, how: dispatch.Dispatch, given: list[str]):
         op, static = self.op, self.static
+        if not registry.is_registered(op):
+            raise RuntimeError(f"jax_dg: op `{op.name}` is not registered "
+                               "(jax_dg.core.registry.register)")
         index = {n: i for i, n in enumerate(given)}
         aliases = {index[n]: o for n, o in op.aliases.items() if n in index}
         traced = _avals(self.arrays)
-
-        def plan_of(full):
-            plan = op.plan(*full, **pick(op.plan, static)) if op.plan else {}
-            assert not plan.keys() & static.keys(), f"{op.name}: a plan entry shadows a static"
-            return plan
         # a call whose allocation cannot land (a symbolic row count) copies through torch's
         # allocator: the plain target, never captured
-        plan = plan_of(self.arrays)
-        graph = how.graph and plan.get("lands", True)
-        target = op.ffi_name + (bridge.GRAPH_SUFFIX if graph else "")
+        graph = how.graph and self.plan.get("lands", True)
+        target = op.ffi_name + (registry.GRAPH_SUFFIX if graph else "")
 
         def site_of(full, plan):
             return Site(op.name, how.runs, tuple(a is not None for a in full), graph,
                         pick(op.run, {**static, **plan})).encode()
-        here = (self.types, site_of(self.arrays, plan))
+        here = (self.types, self.plan, site_of(self.arrays, self.plan))
 
         def plain(xs):
             """The custom call for these arrays' shapes: the traced ones, or a shard's."""
             full = self._full(xs)
             if _avals(full) == traced:
-                types, site = here
+                types, plan, site = here
             else:   # a shard (custom_partitioning): its own shapes and plan
-                types = tuple(op.shapes(*full, **pick(op.shapes, static)))
-                site = site_of(full, plan_of(full))
+                out = op.shape(full, static, self.target)
+                types, plan, site = out.types, out.plan, site_of(full, out.plan)
             fn = jax.ffi.ffi_call(target, types, input_output_aliases=aliases,
                                   vmap_method="sequential")   # only where no batching rule applies
-            return self._finish(fn(*xs, site=site), full)
+            return self._finish(fn(*xs, site=site), full, plan)
         return plain
 
 
-def composed(base: Op, *, name: str, base_static: Callable[..., Mapping[str, Any]],
-             **fields: Any) -> Op:
-    """An op that makes `base`'s DeepGEMM call (its shapes, plan, run, symbols,
-    architectures and graph safety) and composes its own `finish` after it, e.g. the indexer: the logits call,
-    then jax_dg's top-k over the scratch it lands in. `base_static(**static)` maps this op's
-    statics to base's (extra keywords, the plan's, pass through)."""
-    def shapes(*arrays, **static):
-        return base.shapes(*arrays, **pick(base.shapes, base_static(**static)))
+def composed(base: Op, *, name: str, statics: Mapping[str, Any],
+             base_static: Callable[..., Mapping[str, Any]], **fields: Any) -> Op:
+    """An op that makes `base`'s DeepGEMM call (its shape rule and plan, run, symbols,
+    architectures and graph safety) and composes its own `finish` after it, e.g. the indexer:
+    the logits call, then jax_dg's top-k over the scratch it lands in. `base_static(**static)`
+    maps this op's statics to base's (the plan's entries, passed as keywords too, pass through)."""
+    def shapes(*arrays, target, **static):
+        return base.shapes(*arrays, **pick(base.shapes, {**base_static(**static), "target": target}))
 
-    def plan(*arrays, **static):
-        return base.plan(*arrays, **pick(base.plan, base_static(**static)))
-
-    def run(dg, *buffers, **static):
-        base.run(dg, *buffers, **pick(base.run, base_static(**static)))
-    return Op(name=name, args=base.args, shapes=shapes, plan=plan if base.plan else None,
-              run=run, symbols=base.symbols, archs=base.archs, arg_archs=base.arg_archs,
-              graph_safe=base.graph_safe, statics=declared(base_static), **fields)
+    def run(rt, *buffers, **static):
+        base.run(rt, *buffers, **pick(base.run, base_static(**static)))
+    return Op(name=name, args=base.args, statics=statics, shapes=shapes, run=run,
+              symbols=base.symbols, archs=base.archs, arg_archs=base.arg_archs,
+              graph_safe=base.graph_safe, **fields)
 
 
-def targets() -> list[str]:
-    """Every custom-call target jax_dg registers: the bridge's (with their command-buffer
-    twins) and jax_dg's own kernels'."""
-    return sorted(set(bridge.registered_targets()) | set(native.TARGETS.values()))
-
-
-def exposes(*ops: Op):
-    """Marks a public function as the user-facing form of `ops` (`python -m jax_dg info` reports
-    what each public function runs on from them)."""
+def exposes(*ops: Op, differentiable: bool = False):
+    """Marks a public function as the user-facing form of `ops`: registering the function
+    (jax_dg.core.registry) registers them, and `python -m jax_dg info` reports what it runs on
+    from them. `differentiable`: jax.grad goes through it (its own rule, jax_dg.core.derivative),
+    though its ops declare none."""
     def mark(fn):
         fn.__jax_dg_ops__ = ops
+        fn.__jax_dg_differentiable__ = differentiable
         return fn
     return mark
 

@@ -1,14 +1,14 @@
 """The call-site record: what a traced call hands the bridge besides its buffers.
 
 One record per call site, made once at trace time (jax_dg.core.op), carried as the custom
-call's one string attribute, decoded once per site by the bridge (jax_dg.core.bridge), which
+call's one string attribute, decoded once per site by the bridge (jax_dg.runtime.bridge), which
 caches the prepared closure under the string. It holds every decision made while tracing:
 
     op        the Op's name
     backend   the concrete backend that runs it: "deep_gemm" or "torch" (never "auto")
     present   which of the op's optional arguments were given (absent ones reach run as None)
     graph     whether the call lowered to the command-buffer-compatible target
-    static    the statics and plan entries (Op.plan: layouts, whether the logits land, ...)
+    static    the statics and plan entries (the shape rule's: layouts, whether the logits land, ...)
               the op's run function names, as it receives them (tuples stay tuples)
 
 The encoding is versioned: a record written by another jax_dg version (a serialized export, a

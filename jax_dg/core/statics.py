@@ -1,10 +1,11 @@
 """An op's statics as one declared record (jax_dg.core.op.Op.statics): what a record function
 receives of them.
 
-Every function of an op record (shapes, plan, run, reference, finish, batch, sharding layout,
-vjp) is called with only the statics it names as keyword-only parameters (all of them if it
-takes **kwargs). So a static is declared once, on the op, and reaches exactly the functions that
-use it: adding one changes no other signature.
+Every function of an op record (shapes, run, reference, finish, batch, sharding layout, vjp)
+is called with only the statics it names as keyword-only parameters (all of them if it takes
+**kwargs; the shape rule may also name `target`, the run function and the finish the plan's
+entries). So a static is declared once, on the op, and reaches exactly the functions that use
+it: adding one changes no other signature.
 """
 
 from __future__ import annotations
@@ -30,11 +31,3 @@ def pick(fn: Callable, static: Mapping[str, Any]) -> dict:
     an op's declaration reaches the functions that use it and no other signature changes."""
     names = _keywords(fn)
     return dict(static) if names is None else {k: v for k, v in static.items() if k in names}
-
-
-def declared(fn: Callable) -> dict[str, Any] | None:
-    """The statics a function declares: its keyword-only parameters and their defaults
-    (REQUIRED where there is none); None where it names none and takes **kwargs (a wrapper)."""
-    params = inspect.signature(fn).parameters.values()
-    named = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
-    return None if not named and any(p.kind is p.VAR_KEYWORD for p in params) else named

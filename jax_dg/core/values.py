@@ -80,3 +80,23 @@ def require(op: str, arg: str, ok: Any, rule: str, values: Any = None) -> None:
         _fail(op, arg, rule, ok, values)
         return
     jax.debug.callback(lambda o, v: _fail(op, arg, rule, o, v), ok, values)
+
+
+def key_ranges(op: str, ks, ke, num_keys: int, width: int = 0):
+    """(ks, ke), int32 [M], brought into 0 <= ks <= ke <= N (clamps on two [M] vectors, fused by
+    XLA): an MQA logits kernel reads keys [ks, ke) unchecked. A row's range becomes
+    [clip(ks, 0, N), clip(ke, ks', N)): keys outside [0, N) do not exist, ke <= ks stays an empty
+    row. With a `width` (the compressed form) ke is also cut to ks + width, exactly for every
+    int32 pair, and never below ks: a longer row would be written into the next one. In checked
+    mode ks < 0 or ke > N raises instead, naming cu_seqlen_ks / cu_seqlen_ke."""
+    require(op, "cu_seqlen_ks", ks >= 0, "must be >= 0 (a key index)", ks)
+    require(op, "cu_seqlen_ke", ke <= num_keys, f"must be <= N = {num_keys} (keys)", ke)
+    ks = jax.numpy.clip(ks, 0, num_keys)
+    ke = jax.numpy.clip(ke, ks, num_keys)
+    if not width:
+        return ks, ke
+    # ke - ks taken modulo 2**32 (no overflow), then at most width
+    span = (jax.lax.bitcast_convert_type(ke, np.uint32)
+            - jax.lax.bitcast_convert_type(ks, np.uint32))
+    span = jax.numpy.where(ke > ks, jax.numpy.minimum(span, np.uint32(width)), np.uint32(0))
+    return ks, ks + span.astype(np.int32)

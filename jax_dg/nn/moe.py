@@ -28,10 +28,9 @@ from flax import nnx
 
 from jax_dg.contracts import align
 from jax_dg.nn.linear import FP8Linear
-from jax_dg.operands.quant import per_token_cast_to_fp8
 from jax_dg.operands.routing import (combine_from_contiguous, combine_from_masked, contiguous_layout,
                                      masked_layout, permute_to_contiguous, permute_to_masked)
-from jax_dg.ops.cast import cast_blocks, cast_tokens
+from jax_dg.ops.cast import cast_blocks, cast_tokens, per_token_cast_to_fp8
 from jax_dg.ops.grouped import m_grouped_fp8_gemm_nt_contiguous
 from jax_dg.ops.linear import fp8_grouped_linear
 

@@ -1,11 +1,11 @@
-"""FP8 quantisers (DeepGEMM's formulas, bitwise) and the test metric: the product's one
-implementation, whose formulas jax_dg.operands.paged and jax_dg.operands.indexer use too.
-Where jax_dg's fused cast takes the input (float32 / bfloat16, gran_k 128; columns padded with
-zeros to a multiple of 16 where needed) the two quantisers run it (jax_dg.ops.cast: bitwise these
-formulas, one kernel, also under jax.vmap); otherwise the formulas below run in XLA. On the GPU
-the kernel is bitwise deep_gemm's own quantisers (tests/ops/test_cast.py); XLA's GPU code of
-the formulas was measured 1 FP8 value in 6600 apart from them (tests/operands/test_quant.py,
-float32 [33, 200], before the padding sent that shape to the kernel).
+"""FP8 quantisation in XLA (DeepGEMM's formulas, bitwise) and the test metric: the product's one
+implementation of the blockings, whose formulas jax_dg.operands.paged and
+jax_dg.operands.indexer use too. The public quantisers (per_token_cast_to_fp8,
+per_block_cast_to_fp8, jax_dg.ops.cast) run jax_dg's fused cast where it takes the input
+(float32 / bfloat16, gran_k 128: bitwise these formulas, one kernel) and `per_token` /
+`per_block` below otherwise. XLA's GPU code of the formulas was measured 1 FP8 value in 6600
+apart from deep_gemm's own quantisers (tests/operands/test_quant.py, float32 [33, 200], before
+the padding sent that shape to the kernel).
 
 Scale factor sf = max(amax of the block, 1e-4) / 448 (as torch computes it on the GPU: times the
 float reciprocal, jax_dg.numerics); with `use_ue8m0` it is rounded up to a
@@ -25,52 +25,21 @@ from jax_dg.contracts import align
 from jax_dg.core.checks import Checker
 from jax_dg.numerics import FP8, FP8_MAX, cast_with_scale, scale_for  # noqa: F401
 from jax_dg.operands.scales import ceil_to_ue8m0, pack_ue8m0_to_int  # noqa: F401  (public here too)
-from jax_dg.ops.cast import cast_blocks, cast_tokens
 
 __all__ = ["FP8", "FP8_MAX", "ceil_to_ue8m0", "pack_ue8m0_to_int", "scale_for", "cast_with_scale",
-           "per_token_cast_to_fp8", "per_block_cast_to_fp8", "calc_diff"]
+           "per_token", "per_block", "calc_diff"]
 
 
-def _check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
+def check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
+    """The quantisers' checks: x a floating [m, n]; (use_ue8m0, gran_k) as static values."""
     ck = Checker(name)
     ck.floating(x, "x")
     ck.ndim(x, "x", 2, "[m, n]")
     return ck.static_bool(use_ue8m0, "use_ue8m0"), ck.static_int(gran_k, "gran_k", minimum=1)
 
 
-def _fused(x, gran_k: int) -> bool:
-    """Whether jax_dg's fused cast (jax_dg.ops.cast: one kernel, also under jax.vmap) takes x:
-    float32 or bfloat16, 128-wide blocks. It is bitwise the formulas below; other dtypes and
-    block widths run those in XLA."""
-    return gran_k == 128 and x.dtype in (jnp.float32, jnp.bfloat16)
-
-
-def _padded(x):
-    """x with zero columns up to a multiple of 16 (the kernel's 16-byte rows): a block's amax
-    and so its scale are unchanged, and the values of the padding are sliced off."""
-    n = x.shape[1]
-    return x if n % 16 == 0 else jnp.pad(x, ((0, 0), (0, align(n, 16) - n)))
-
-
-def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
-    """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
-    use_ue8m0, gran_k = _check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k)
-    if _fused(x, gran_k):
-        q, sf = cast_tokens(_padded(x), use_ue8m0=use_ue8m0)[0]
-        return q[:, :x.shape[1]], sf.logical()
-    return _per_token(x, use_ue8m0, gran_k)
-
-
-def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
-    """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
-    use_ue8m0, gran_k = _check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k)
-    if _fused(x, gran_k):
-        q, sf = cast_blocks(_padded(x), use_ue8m0=use_ue8m0)[0]
-        return q[:, :x.shape[1]], sf
-    return _per_block(x, use_ue8m0, gran_k)
-
-
-def _per_token(x: jax.Array, use_ue8m0: bool, gran_k: int):
+def per_token(x: jax.Array, use_ue8m0: bool, gran_k: int):
+    """[m, n] -> (values, scales [m, ceil(n / gran_k)]): 1 x gran_k blocks, in XLA."""
     m, n = x.shape
     kp = align(n, gran_k)
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kp - n)))   # zero columns: amax unchanged
@@ -79,7 +48,9 @@ def _per_token(x: jax.Array, use_ue8m0: bool, gran_k: int):
     return cast_with_scale(blocks, sf[:, :, None]).reshape(m, kp)[:, :n], sf
 
 
-def _per_block(x: jax.Array, use_ue8m0: bool, gran_k: int):
+def per_block(x: jax.Array, use_ue8m0: bool, gran_k: int):
+    """[m, n] -> (values, scales [ceil(m/gran_k), ceil(n/gran_k)]): gran_k x gran_k blocks, in
+    XLA."""
     m, n = x.shape
     mp, kp = align(m, gran_k), align(n, gran_k)
     xp = jnp.pad(x.astype(jnp.float32), ((0, mp - m), (0, kp - n)))

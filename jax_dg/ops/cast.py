@@ -10,9 +10,10 @@
 jax_dg's own kernel (kernels/cast_fp8.cu, a native custom call, capturable; its C++ twin on
 CPU), bitwise DeepGEMM's quantisers (jax_dg.numerics' formulas) followed by the scales' MN-major
 layout and the transposes: the pure-JAX reference below (jax_dg.reference.quant's quantisers),
-which is `JAX_DG_BACKEND=xla`'s path and the tests' oracle. jax_dg.operands.quant's public
-quantisers run this kernel where it applies. Rows at or past `valid_rows[b]` are read as 0 (the
-masked experts' rows, without a select pass before the cast).
+which is `JAX_DG_BACKEND=xla`'s path and the tests' oracle. The public quantisers below
+(per_token_cast_to_fp8, per_block_cast_to_fp8) run this kernel where it applies, and
+jax_dg.operands.quant's formulas in XLA otherwise. Rows at or past `valid_rows[b]` are read as
+0 (the masked experts' rows, without a select pass before the cast).
 """
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ import jax.numpy as jnp
 from jax_dg.contracts import align, cdiv
 from jax_dg.core import native
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
+from jax_dg.operands import quant
 from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.reference import quant as ref
+
+__all__ = ["cast_blocks", "cast_tokens", "per_block_cast_to_fp8", "per_token_cast_to_fp8"]
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32
 
 
-def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=False, aligned=False):
+def _shapes(x, valid_rows, *, per_block, rows_out, cols_out):
     ck = Checker("cast_fp8")
     ck.ndim(x, "x", 3, "[B, R, C]")
     ck.dtype(x, "x", jnp.bfloat16, F32)
@@ -51,9 +55,9 @@ def _shapes(x, valid_rows, *, per_block, ue8m0=False, rows_out=True, cols_out=Fa
             jax.ShapeDtypeStruct(sqt, F32) if cols_out else none(F32)]
 
 
-def _native(x, valid_rows, *, per_block, ue8m0, rows_out, cols_out):
-    static = dict(per_block=per_block, ue8m0=ue8m0, rows_out=rows_out, cols_out=cols_out)
-    return native.cast_fp8(x, valid_rows, _shapes(x, valid_rows, **static), **static)
+def _native(x, valid_rows, *, types, per_block, ue8m0, rows_out, cols_out):
+    return native.cast_fp8(x, valid_rows, types, per_block=per_block, ue8m0=ue8m0,
+                           rows_out=rows_out, cols_out=cols_out)
 
 
 def _reference_one(x, valid, *, per_block, ue8m0, rows_out, cols_out):
@@ -88,7 +92,7 @@ def _batch(size, batched, inputs, *, per_block, ue8m0, rows_out, cols_out):
                  for o in outs)
 
 
-def _layout(names, *, per_block, rows_out=True, cols_out=False, aligned=False):
+def _layout(names, *, per_block, rows_out, cols_out, aligned):
     """Batches and rows split with no collective, columns in whole 128-blocks; a shard casts
     whole blocks (rows in 128s where a block or the transposed cast spans rows, else in 16s),
     so its results are the slices of the whole's. `aligned` (R % 16 == 0, which sharding the
@@ -107,6 +111,8 @@ def _layout(names, *, per_block, rows_out=True, cols_out=False, aligned=False):
 CAST_FP8 = Op(
     name="cast_fp8",
     args=("x", "valid_rows"),
+    statics={"per_block": REQUIRED, "ue8m0": False, "rows_out": True, "cols_out": False,
+             "aligned": False},
     shapes=_shapes,
     native=_native,
     reference=_reference,
@@ -165,7 +171,7 @@ def cast_blocks(x: jax.Array, *, transposed: bool = False, use_ue8m0: bool = Fal
     R % 16 == 0 with `transposed`).
 
     Returns ((q, sq), (qt, sqt)): q [(B,) R, C], sq float32 [(B,) ceil(R/128), ceil(C/128)]
-    (jax_dg.operands.quant.per_block_cast_to_fp8's), and with `transposed` (else None) the
+    (per_block_cast_to_fp8's), and with `transposed` (else None) the
     blocks of x.T, qt = q.T [(B,) C, R] and sqt = sq.T (a block grid is transpose-symmetric:
     the same values, written from the same read).
     """
@@ -175,3 +181,37 @@ def cast_blocks(x: jax.Array, *, transposed: bool = False, use_ue8m0: bool = Fal
             "(16-byte rows of x.T's values)", x.shape[-2])
     q, sq, qt, sqt = _call(x, None, per_block=True, ue8m0=ue8m0, rows_out=True, cols_out=cols_out)
     return (q, sq), (qt, sqt) if cols_out else None
+
+
+# --- the quantisers: the fused cast where it takes the input, the formulas in XLA otherwise --------
+
+def _fused(x, gran_k: int) -> bool:
+    """Whether the fused cast (one kernel, also under jax.vmap) takes x: float32 or bfloat16,
+    128-wide blocks. It is bitwise jax_dg.operands.quant's formulas; other dtypes and block
+    widths run those in XLA."""
+    return gran_k == 128 and x.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def _padded(x):
+    """x with zero columns up to a multiple of 16 (the kernel's 16-byte rows): a block's amax
+    and so its scale are unchanged, and the values of the padding are sliced off."""
+    n = x.shape[1]
+    return x if n % 16 == 0 else jnp.pad(x, ((0, 0), (0, align(n, 16) - n)))
+
+
+def per_token_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
+    """[m, n] -> (float8 values [m, n], float32 scales [m, ceil(n / gran_k)]), 1 x gran_k blocks."""
+    use_ue8m0, gran_k = quant.check_cast("per_token_cast_to_fp8", x, use_ue8m0, gran_k)
+    if _fused(x, gran_k):
+        q, sf = cast_tokens(_padded(x), use_ue8m0=use_ue8m0)[0]
+        return q[:, :x.shape[1]], sf.logical()
+    return quant.per_token(x, use_ue8m0, gran_k)
+
+
+def per_block_cast_to_fp8(x: jax.Array, use_ue8m0: bool = False, gran_k: int = 128):
+    """[m, n] -> (float8 values [m, n], float32 scales [ceil(m/128), ceil(n/128)]), 128 x 128 blocks."""
+    use_ue8m0, gran_k = quant.check_cast("per_block_cast_to_fp8", x, use_ue8m0, gran_k)
+    if _fused(x, gran_k):
+        q, sf = cast_blocks(_padded(x), use_ue8m0=use_ue8m0)[0]
+        return q[:, :x.shape[1]], sf
+    return quant.per_block(x, use_ue8m0, gran_k)

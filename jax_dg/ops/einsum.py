@@ -8,8 +8,10 @@ import jax.numpy as jnp
 
 from jax_dg.contracts import cdiv
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import einsum as ref
+
+__all__ = ["einsum", "fp8_einsum"]
 
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
@@ -68,23 +70,24 @@ def _einsum_shapes(a, b, c, *, expr, out_dtype, use_cublaslt):
     return [jax.ShapeDtypeStruct(d_shape, out_dtype)]
 
 
-def _einsum_run(dg, a, b, c, d, *, expr, out_dtype, use_cublaslt):
+def _einsum_run(rt, a, b, c, d, *, expr, out_dtype, use_cublaslt):
     if expr == "bmk,bnk->mn" and out_dtype == "float32":
         # DeepGEMM accumulates into a float32 d in place (c must be d): d = c (or 0) + sum.
         if c is None:
             d.zero_()
         elif c.data_ptr() != d.data_ptr():
             d.copy_(c)
-        dg.einsum(expr, a, b, d, c=d)
+        rt.dg.einsum(expr, a, b, d, c=d)
     elif use_cublaslt:
-        dg.einsum(expr, a, b, d, use_cublaslt=True)
+        rt.dg.einsum(expr, a, b, d, use_cublaslt=True)
     else:
-        dg.einsum(expr, a, b, d)
+        rt.dg.einsum(expr, a, b, d)
 
 
 EINSUM = Op(
     name="einsum",
     args=("a", "b", "c"),
+    statics={"expr": REQUIRED, "out_dtype": REQUIRED, "use_cublaslt": REQUIRED},
     shapes=_einsum_shapes,
     run=_einsum_run,
     reference=ref.einsum,
@@ -134,13 +137,14 @@ def _fp8_einsum_shapes(a, sfa, b, sfb, *, expr):
     return [jax.ShapeDtypeStruct((bb, h, d), BF16)]
 
 
-def _fp8_einsum_run(dg, a, sfa, b, sfb, d, *, expr):
-    dg.fp8_einsum(expr, (a, sfa), (b, sfb), d)
+def _fp8_einsum_run(rt, a, sfa, b, sfb, d, *, expr):
+    rt.dg.fp8_einsum(expr, (a, sfa), (b, sfb), d)
 
 
 FP8_EINSUM = Op(
     name="fp8_einsum",
     args=("a", "sfa", "b", "sfb"),
+    statics={"expr": REQUIRED},
     shapes=_fp8_einsum_shapes,
     run=_fp8_einsum_run,
     reference=ref.fp8_einsum,

@@ -9,13 +9,16 @@ import numpy as np
 
 from jax_dg import contracts
 from jax_dg.contracts import align, cdiv
-from jax_dg.core import runtime as rt
 from jax_dg.core.checks import ArgumentError, Checker
-from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops.grouped import M_GROUPED_BF16_MASKED, M_GROUPED_FP8_MASKED
 from jax_dg.reference import gemm as ref
 from jax_dg.operands.scales import MNMajor, logical_view, mn_major_logical, mn_major_physical
+
+__all__ = ["bf16_gemm_nn", "bf16_gemm_nt", "bf16_gemm_tn", "bf16_gemm_tt", "cublaslt_gemm_nn",
+           "cublaslt_gemm_nt", "cublaslt_gemm_tn", "cublaslt_gemm_tt", "fp8_gemm_nn",
+           "fp8_gemm_nt", "fp8_gemm_nt_skip_head_mid", "fp8_gemm_tn", "fp8_gemm_tt"]
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -99,7 +102,7 @@ def _check_sf(ck: Checker, sf, arg: str, mn: int, kb: int, gran_mn: int, transpo
 
 
 def _fp8_shapes(storage: str, physical: bool = True):
-    def shapes(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
+    def shapes(a, sfa, b, sfb, c, *, out_dtype, recipe):
         ck = Checker(f"fp8_gemm_{storage}")
         ck.that(recipe in OUT_DTYPE, "recipe", f"must be one of {sorted(OUT_DTYPE)} on SM90", recipe)
         gm, gn, gk = recipe
@@ -125,29 +128,33 @@ def _fp8_shapes(storage: str, physical: bool = True):
     return shapes
 
 
-def _fp8_plan(storage: str):
-    def plan(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
-        """Which scales reach DeepGEMM as MN-major views of their physical buffer."""
-        return {"mn_major": _mn_major(storage, recipe)}
-    return plan
+def _fp8_rule(storage: str):
+    check = _fp8_shapes(storage)
+
+    def rule(a, sfa, b, sfb, c, *, out_dtype, recipe):
+        """d's type; the plan: which scales reach DeepGEMM as MN-major views of their physical
+        buffer."""
+        return shaped(check(a, sfa, b, sfb, c, out_dtype=out_dtype, recipe=recipe),
+                      mn_major=_mn_major(storage, recipe))
+    return rule
 
 
 def _fp8_run(storage: str):
     name = f"fp8_gemm_{storage}"
 
-    def run(dg, a, sfa, b, sfb, c, d, *, out_dtype, recipe, mn_major, compiled_dims=None):
+    def run(rt, a, sfa, b, sfb, c, d, *, recipe, mn_major, compiled_dims):
         if mn_major[0]:
             sfa = rt.mn_major_view(sfa, a.shape[0])
         if mn_major[1]:
             sfb = rt.mn_major_view(sfb, b.shape[0])
-        getattr(dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe, **rt.dims(compiled_dims))
+        getattr(rt.dg, name)((a, sfa), (b, sfb), d, c=c, recipe=recipe, **rt.dims(compiled_dims))
     return run
 
 
 def _fp8_reference(storage: str):
     a_t, b_n = _transposed(storage)
 
-    def reference(a, sfa, b, sfb, c, *, out_dtype, recipe, compiled_dims=None):
+    def reference(a, sfa, b, sfb, c, *, out_dtype, recipe):
         phys_a, phys_b = _mn_major(storage, recipe)
         if phys_a:
             sfa = mn_major_logical(sfa, a.shape[0])
@@ -178,7 +185,7 @@ def _masked_batch(op, a, sfa_logical, b, sfb, size: int, m: int):
 def _fp8_batch(storage: str):
     """vmap of fp8_gemm_nt: a batched `a` with a shared `b` folds into M (one GEMM of B*M rows);
     both batched (per-block recipe) run as one masked grouped GEMM; otherwise sequential."""
-    def batch(size, batched, inputs, *, out_dtype, recipe, compiled_dims=None):
+    def batch(size, batched, inputs, *, out_dtype, recipe, compiled_dims):
         if storage != "nt":
             return None
         a, sfa, b, sfb, c = (inputs[n] if n in inputs else None for n in ("a", "sfa", "b", "sfb", "c"))
@@ -204,7 +211,7 @@ _GEMM_TIES = {"ma": ("m", "aligned", 4), "na": ("n", "aligned", 4), "kb": ("k", 
               "nb": ("n", "blocks", 128)}
 
 
-def _fp8_layout(names, *, out_dtype, recipe, compiled_dims=None):
+def _fp8_layout(names, *, recipe):
     sfb = "nb kb" if recipe == RECIPE_BLOCK else "kb na"   # per-channel b's scales: MN-major physical
     return Layout({"a": "m k", "sfa": "kb ma", "b": "n k", "sfb": sfb, "c": "m n"}, ["m n"])
 
@@ -217,8 +224,8 @@ FP8_GEMM = {
     storage: Op(
         name=f"fp8_gemm_{storage}",
         args=("a", "sfa", "b", "sfb", "c"),
-        shapes=_fp8_shapes(storage),
-        plan=_fp8_plan(storage),
+        statics={"out_dtype": REQUIRED, "recipe": REQUIRED, "compiled_dims": None},
+        shapes=_fp8_rule(storage),
         run=_fp8_run(storage),
         reference=_fp8_reference(storage),
         symbols=(f"fp8_gemm_{storage}",),
@@ -310,7 +317,7 @@ def _head_splits(ck: Checker, head_splits) -> tuple[int, int, int]:
     return tuple(int(v) for v in head_splits)
 
 
-def _skip_head_mid_shapes(a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None):
+def _skip_head_mid_shapes(a, sfa, b, sfb, d, *, head_splits, recipe):
     ck = Checker("fp8_gemm_nt_skip_head_mid")
     m, n = _fp8_shapes("nt")(a, sfa, b, sfb, None, out_dtype="bfloat16", recipe=recipe)[0].shape
     left, mid, right = head_splits
@@ -321,18 +328,19 @@ def _skip_head_mid_shapes(a, sfa, b, sfb, d, *, head_splits, recipe, compiled_di
     return [jax.ShapeDtypeStruct((m, width), BF16)]
 
 
-def _skip_head_mid_run(dg, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, compiled_dims=None):
+def _skip_head_mid_run(rt, a, sfa, b, sfb, d_in, d, *, head_splits, recipe, compiled_dims):
     # d is d_in's buffer (aliased): the kernel writes around the heads' middle columns
-    dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
-                                 recipe=recipe, **rt.dims(compiled_dims))
+    rt.dg.fp8_gemm_nt_skip_head_mid((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, head_splits,
+                                    recipe=recipe, **rt.dims(compiled_dims))
 
 
 FP8_GEMM_NT_SKIP_HEAD_MID = Op(
     name="fp8_gemm_nt_skip_head_mid",
     args=("a", "sfa", "b", "sfb", "d"),
+    statics={"head_splits": REQUIRED, "recipe": REQUIRED, "compiled_dims": None},
     shapes=_skip_head_mid_shapes,
     run=_skip_head_mid_run,
-    reference=lambda a, sfa, b, sfb, d, *, head_splits, recipe, compiled_dims=None: ref.fp8_gemm_nt_skip_head_mid(
+    reference=lambda a, sfa, b, sfb, d, *, head_splits, recipe: ref.fp8_gemm_nt_skip_head_mid(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, d, head_splits=head_splits, recipe=recipe),
     symbols=("fp8_gemm_nt_skip_head_mid",),
     aliases={"d": 0},
@@ -378,7 +386,7 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None, compiled_dims=None) 
 def _bf16_shapes(name: str, storage: str, deep_gemm_kernel: bool):
     a_t, b_n = _transposed(storage)
 
-    def shapes(a, b, c, *, out_dtype, compiled_dims=None):
+    def shapes(a, b, c, *, out_dtype):
         ck = Checker(name)
         m, n, k = _check_operands(ck, a, b, storage, BF16)
         ck.that(out_dtype in ("bfloat16", "float32"), "out_dtype", "must be bfloat16 or float32",
@@ -396,15 +404,15 @@ def _bf16_shapes(name: str, storage: str, deep_gemm_kernel: bool):
 
 
 def _bf16_run(name: str):
-    def run(dg, a, b, c, d, *, out_dtype, compiled_dims=None):   # cuBLASLt's: always None
-        getattr(dg, name)(a, b, d, c=c, **rt.dims(compiled_dims))
+    def run(rt, a, b, c, d, *, compiled_dims):   # cuBLASLt's: always None
+        getattr(rt.dg, name)(a, b, d, c=c, **rt.dims(compiled_dims))
     return run
 
 
 def _bf16_reference(storage: str):
     a_t, b_n = _transposed(storage)
 
-    def reference(a, b, c, *, out_dtype, compiled_dims=None):
+    def reference(a, b, c, *, out_dtype):
         return ref.bf16_gemm_nt(a.T if a_t else a, b.T if b_n else b, c, out_dtype=out_dtype)
     return reference
 
@@ -427,7 +435,7 @@ def _bf16_vjp(family: str, storage: str):
     computed in the storage a and b have (the other storages' kernels; bf16 operands)."""
     a_t, b_n = _transposed(storage)
 
-    def vjp(inputs, cts, *, out_dtype, compiled_dims=None):   # each product: its storage's default
+    def vjp(inputs, cts):   # each product: its storage's default compiled_dims
         a, b, c = inputs["a"], inputs["b"], inputs.get("c")
         (dd,) = cts
         g = dd.astype(BF16)
@@ -452,7 +460,7 @@ def _bf16_batch(family: str, storage: str):
     sequential."""
     a_t, _ = _transposed(storage)
 
-    def batch(size, batched, inputs, *, out_dtype, compiled_dims=None):
+    def batch(size, batched, inputs, *, out_dtype, compiled_dims):
         a, b, c = inputs["a"], inputs["b"], inputs.get("c")
         if not batched["b"] and not a_t:
             m = a.shape[1] if batched["a"] else a.shape[0]
@@ -478,7 +486,8 @@ def _bf16_sharding(storage: str) -> Sharding:
 
 def _bf16_op(family: str, storage: str) -> Op:
     name = f"{family}_{storage}"
-    return Op(name=name, args=("a", "b", "c"), shapes=_bf16_shapes(name, storage, family == "bf16_gemm"),
+    return Op(name=name, args=("a", "b", "c"), statics={"out_dtype": REQUIRED, "compiled_dims": None},
+              shapes=_bf16_shapes(name, storage, family == "bf16_gemm"),
               run=_bf16_run(name), reference=_bf16_reference(storage), symbols=(name,),
               aliases={"c": 0},
               # no scales, no scratch (cuBLASLt's workspace is DeepGEMM's, made once at start-up)

@@ -21,14 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dg.contracts import align, cdiv
-from jax_dg.core import runtime as rt
-from jax_dg.core import device, native, values
+from jax_dg.core import native, values
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, declared, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes, shaped
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.routing import get_mk_alignment_for_contiguous_layout
 from jax_dg.operands.scales import logical_view, mn_major_logical, mn_major_physical
 from jax_dg.reference import grouped as ref
+
+__all__ = ["fp8_m_grouped_gemm_nt_masked", "k_grouped_bf16_gemm_tn_contiguous",
+           "k_grouped_fp8_gemm_nt_contiguous", "m_grouped_bf16_gemm_nn_contiguous",
+           "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
+           "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
 
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
@@ -88,16 +92,23 @@ def _fp8_scales(ck: Checker, a, sfa, b, sfb, *, masked: bool):
 
 SM90 = frozenset({"sm90"})   # where the m-grouped calls allocate nothing (graph-safe)
 
+# The statics of each layout's ops (compiled_dims: DeepGEMM's default when None)
+CONTIGUOUS_STATICS = {"mk_alignment": REQUIRED, "clean": REQUIRED, "compiled_dims": None}
+MASKED_STATICS = {"expected_m": REQUIRED, "clean": REQUIRED, "compiled_dims": None}
+PSUM_STATICS = {"mk_alignment": REQUIRED, "use_psum_layout": REQUIRED, "expected_m": REQUIRED,
+                "compiled_dims": REQUIRED}
+K_GROUPED_STATICS = {"ks": REQUIRED, "compiled_dims": None}
+
 # Sharding: contiguous rows split in whole alignment blocks, masked groups (experts) split, and
 # N splits, all with no collective (every shard holds all experts' weights, or its experts').
 _TIES = {"ma": ("m", "aligned", 4), "kb": ("k", "blocks", 128), "nb": ("n", "blocks", 128)}
 CONTIGUOUS_SHARDING = Sharding(
-    lambda names, *, mk_alignment, clean, compiled_dims=None: Layout(
+    lambda names, *, mk_alignment: Layout(
         {"a": "m k", "sfa": "kb ma", "b": "g n k", "sfb": "g nb kb", "grouped_layout": "m"}, ["m n"],
         multiple={"m": mk_alignment}),
     free=frozenset({"m", "n"}), tied=_TIES)
 MASKED_SHARDING = Sharding(
-    lambda names, *, expected_m, clean, compiled_dims=None: Layout(
+    lambda names: Layout(
         {"a": "g r k", "sfa": "g kb ra", "b": "g n k", "sfb": "g nb kb", "masked_m": "g"}, ["g r n"]),
     free=frozenset({"g", "n"}), tied=_TIES)
 
@@ -105,12 +116,16 @@ MASKED_SHARDING = Sharding(
 # --- m-grouped, contiguous layout ---------------------------------------------------------------
 
 def _contiguous_shapes(name: str, fp8: bool):
-    def shapes(a, sfa, b, sfb, grouped_layout, *, mk_alignment, clean, compiled_dims=None):
+    def shapes(a, sfa, b, sfb, grouped_layout, *, target, mk_alignment):
+        """d's type; the plan: whether the cleaning leaves the blocks that start with padding
+        alone (_SKIP_PADDING_BLOCKS)."""
         ck = Checker(name)
         _, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=False,
                                          mk_alignment=mk_alignment)
         ck.tensor(grouped_layout, "grouped_layout", [I32], (m,), "[M] (group id per row, -1 = padding)")
-        return [jax.ShapeDtypeStruct((m, n), BF16)]
+        skip = (_SKIP_PADDING_BLOCKS["fp8" if fp8 else "bf16"] and target.backend == "deep_gemm"
+                and target.arch == "sm90")
+        return shaped([jax.ShapeDtypeStruct((m, n), BF16)], skip_padding_blocks=skip)
     return shapes
 
 
@@ -127,70 +142,66 @@ def _use_alignment(dg, mk_alignment):
 _SKIP_PADDING_BLOCKS = {"fp8": True, "bf16": False}
 
 
-def _zero_padding_rows(kind: str):
+def _zero_padding_rows(outs, inputs, *, mk_alignment, clean, skip_padding_blocks):
     """The contiguous ops' finish: with clean, the padding rows of d zeroed in place by jax_dg's
     own kernel. The skip was established on SM90 only (DeepGEMM's kernel there): every
-    padding row is zeroed elsewhere, and on the torch emulation."""
-    def finish(outs, inputs, *, mk_alignment, clean, compiled_dims=None):
-        (d,) = outs
-        if not clean:
-            return (d,)
-        t = device.target()
-        skip = _SKIP_PADDING_BLOCKS[kind] and t.backend == "deep_gemm" and t.arch == "sm90"
-        return (native.zero_padding_rows(d, inputs["grouped_layout"], block=mk_alignment,
-                                         skip_padding_blocks=skip),)
-    return finish
+    padding row is zeroed elsewhere, and on the torch emulation (the shape rule's plan)."""
+    (d,) = outs
+    if not clean:
+        return (d,)
+    return (native.zero_padding_rows(d, inputs["grouped_layout"], block=mk_alignment,
+                                     skip_padding_blocks=skip_padding_blocks),)
 
 
-def _zero_masked_tail(outs, inputs, *, expected_m, clean, compiled_dims=None):
+def _zero_masked_tail(outs, inputs, *, clean):
     """The masked ops' finish: with clean, the rows past masked_m zeroed in place by jax_dg's
     own kernel (DeepGEMM never writes the blocks past masked_m: stale memory)."""
     (d,) = outs
     return (native.zero_masked_tail(d, inputs["masked_m"]) if clean else d,)
 
 
-def _fp8_contiguous_run(dg, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, clean,
-                        compiled_dims=None):
-    _use_alignment(dg, mk_alignment)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
-                                        grouped_layout, **rt.dims(compiled_dims))
+def _fp8_contiguous_run(rt, a, sfa, b, sfb, grouped_layout, d, *, mk_alignment, compiled_dims):
+    _use_alignment(rt.dg, mk_alignment)
+    rt.dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d,
+                                           grouped_layout, **rt.dims(compiled_dims))
 
 
 M_GROUPED_FP8_CONTIGUOUS = Op(
     name="m_grouped_fp8_gemm_nt_contiguous",
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
+    statics=CONTIGUOUS_STATICS,
     shapes=_contiguous_shapes("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_contiguous_run,
-    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, clean, compiled_dims=None: ref.m_grouped_fp8_gemm_nt_contiguous(
+    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment: ref.m_grouped_fp8_gemm_nt_contiguous(
         a, mn_major_logical(sfa, a.shape[0]), b, sfb, layout, mk_alignment=mk_alignment),
     symbols=("m_grouped_fp8_gemm_nt_contiguous",),
     own_kernels=("zero_padding_rows",),
     graph_safe=SM90,
-    finish=_zero_padding_rows("fp8"),
+    finish=_zero_padding_rows,
     sharding=CONTIGUOUS_SHARDING,
 )
 
 _bf16_contiguous_shapes = _contiguous_shapes("m_grouped_bf16_gemm_nt_contiguous", fp8=False)
 
 
-def _bf16_contiguous_run(dg, a, b, grouped_layout, d, *, mk_alignment, clean, compiled_dims=None):
-    _use_alignment(dg, mk_alignment)
-    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, **rt.dims(compiled_dims))
+def _bf16_contiguous_run(rt, a, b, grouped_layout, d, *, mk_alignment, compiled_dims):
+    _use_alignment(rt.dg, mk_alignment)
+    rt.dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, **rt.dims(compiled_dims))
 
 
 M_GROUPED_BF16_CONTIGUOUS = Op(
     name="m_grouped_bf16_gemm_nt_contiguous",
     args=("a", "b", "grouped_layout"),
-    statics=declared(_bf16_contiguous_shapes),
-    shapes=lambda a, b, grouped_layout, **static: _bf16_contiguous_shapes(a, None, b, None, grouped_layout,
-                                                                      **static),
+    statics=CONTIGUOUS_STATICS,
+    shapes=lambda a, b, grouped_layout, *, target, mk_alignment: _bf16_contiguous_shapes(
+        a, None, b, None, grouped_layout, target=target, mk_alignment=mk_alignment),
     run=_bf16_contiguous_run,
-    reference=lambda a, b, layout, *, mk_alignment, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_contiguous(
+    reference=lambda a, b, layout, *, mk_alignment: ref.m_grouped_bf16_gemm_nt_contiguous(
         a, b, layout, mk_alignment=mk_alignment),
     symbols=("m_grouped_bf16_gemm_nt_contiguous",),
     own_kernels=("zero_padding_rows",),
     graph_safe=SM90,
-    finish=_zero_padding_rows("bf16"),
+    finish=_zero_padding_rows,
     sharding=CONTIGUOUS_SHARDING,
 )
 
@@ -286,7 +297,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = Tru
 # --- m-grouped, masked layout -------------------------------------------------------------------
 
 def _masked_shapes(name: str, fp8: bool):
-    def shapes(a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None):
+    def shapes(a, sfa, b, sfb, masked_m, *, expected_m):
         ck = Checker(name)
         g, m, n, _ = _m_grouped_operands(ck, a, sfa, b, sfb, fp8=fp8, masked=True)
         ck.tensor(masked_m, "masked_m", [I32], (g,), "[G]")
@@ -295,17 +306,18 @@ def _masked_shapes(name: str, fp8: bool):
     return shapes
 
 
-def _fp8_masked_run(dg, a, sfa, b, sfb, masked_m, d, *, expected_m, clean, compiled_dims=None):
-    dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
-                                    expected_m, **rt.dims(compiled_dims))
+def _fp8_masked_run(rt, a, sfa, b, sfb, masked_m, d, *, expected_m, compiled_dims):
+    rt.dg.m_grouped_fp8_gemm_nt_masked((a, rt.mn_major_view(sfa, a.shape[1])), (b, sfb), d, masked_m,
+                                       expected_m, **rt.dims(compiled_dims))
 
 
 M_GROUPED_FP8_MASKED = Op(
     name="m_grouped_fp8_gemm_nt_masked",
     args=("a", "sfa", "b", "sfb", "masked_m"),
+    statics=MASKED_STATICS,
     shapes=_masked_shapes("m_grouped_fp8_gemm_nt_masked", fp8=True),
     run=_fp8_masked_run,
-    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_fp8_gemm_nt_masked(
+    reference=lambda a, sfa, b, sfb, masked_m, *, expected_m: ref.m_grouped_fp8_gemm_nt_masked(
         a, mn_major_logical(sfa, a.shape[1]), b, sfb, masked_m, expected_m=expected_m),
     symbols=("m_grouped_fp8_gemm_nt_masked",),
     own_kernels=("zero_masked_tail",),
@@ -317,17 +329,18 @@ M_GROUPED_FP8_MASKED = Op(
 _bf16_masked_shapes = _masked_shapes("m_grouped_bf16_gemm_nt_masked", fp8=False)
 
 
-def _bf16_masked_run(dg, a, b, masked_m, d, *, expected_m, clean, compiled_dims=None):
-    dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, **rt.dims(compiled_dims))
+def _bf16_masked_run(rt, a, b, masked_m, d, *, expected_m, compiled_dims):
+    rt.dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, **rt.dims(compiled_dims))
 
 
 M_GROUPED_BF16_MASKED = Op(
     name="m_grouped_bf16_gemm_nt_masked",
     args=("a", "b", "masked_m"),
-    statics=declared(_bf16_masked_shapes),
-    shapes=lambda a, b, masked_m, **static: _bf16_masked_shapes(a, None, b, None, masked_m, **static),
+    statics=MASKED_STATICS,
+    shapes=lambda a, b, masked_m, *, expected_m: _bf16_masked_shapes(a, None, b, None, masked_m,
+                                                                     expected_m=expected_m),
     run=_bf16_masked_run,
-    reference=lambda a, b, masked_m, *, expected_m, clean, compiled_dims=None: ref.m_grouped_bf16_gemm_nt_masked(
+    reference=lambda a, b, masked_m, *, expected_m: ref.m_grouped_bf16_gemm_nt_masked(
         a, b, masked_m, expected_m=expected_m),
     symbols=("m_grouped_bf16_gemm_nt_masked",),
     own_kernels=("zero_masked_tail",),
@@ -408,7 +421,7 @@ def _k_grouped_c(ck: Checker, c, ks):
     return g, m, n
 
 
-def _k_grouped_shapes(a, sfa, b, sfb, ks_tensor, c, *, ks, compiled_dims=None):
+def _k_grouped_shapes(a, sfa, b, sfb, ks_tensor, c, *, ks):
     ck = Checker("k_grouped_fp8_gemm_nt_contiguous")
     g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(n % 4 == 0, "c", "must have N % 4 == 0 (16-byte rows of the float32 d)", n)
@@ -421,18 +434,19 @@ def _k_grouped_shapes(a, sfa, b, sfb, ks_tensor, c, *, ks, compiled_dims=None):
     return [jax.ShapeDtypeStruct((g, m, n), F32)]
 
 
-def _k_grouped_run(dg, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims=None):
+def _k_grouped_run(rt, a, sfa, b, sfb, ks_tensor, c, d, *, ks, compiled_dims):
     # DeepGEMM reads the scales as [M, sum(ks)/128] MN-major: the transposed views of ours.
-    dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c,
-                                        **rt.dims(compiled_dims))
+    rt.dg.k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), d, list(ks), ks_tensor, c=c,
+                                           **rt.dims(compiled_dims))
 
 
 K_GROUPED_FP8 = Op(
     name="k_grouped_fp8_gemm_nt_contiguous",
     args=("a", "sfa", "b", "sfb", "ks_tensor", "c"),
+    statics=K_GROUPED_STATICS,
     shapes=_k_grouped_shapes,
     run=_k_grouped_run,
-    reference=lambda *arrays, ks, compiled_dims=None: ref.k_grouped_fp8_gemm_nt_contiguous(*arrays, ks=ks),
+    reference=ref.k_grouped_fp8_gemm_nt_contiguous,
     symbols=("k_grouped_fp8_gemm_nt_contiguous",),
     aliases={"c": 0},
     archs=frozenset({"sm90"}),
@@ -481,7 +495,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, ks, *, c, compiled_dims: str | None =
 # either layout.
 
 def _psum_shapes(name: str, fp8: bool, nn: bool = False):
-    def shapes(a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
+    def shapes(a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout):
         ck = Checker(name)
         bk = b if not nn else jax.ShapeDtypeStruct((b.shape[0], b.shape[2], b.shape[1]), b.dtype)
         if nn:
@@ -496,7 +510,7 @@ def _psum_shapes(name: str, fp8: bool, nn: bool = False):
     return shapes
 
 
-def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
+def _psum_kwargs(rt, use_psum_layout, expected_m, compiled_dims):
     kw = rt.dims(compiled_dims)
     if use_psum_layout:
         kw["use_psum_layout"] = True
@@ -505,17 +519,17 @@ def _psum_kwargs(use_psum_layout, expected_m, compiled_dims):
     return kw
 
 
-def _fp8_psum_run(dg, a, sfa, b, sfb, layout, d, *, mk_alignment, use_psum_layout, expected_m,
+def _fp8_psum_run(rt, a, sfa, b, sfb, layout, d, *, mk_alignment, use_psum_layout, expected_m,
                   compiled_dims):
-    _use_alignment(dg, mk_alignment)
-    dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, layout,
-                                        **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+    _use_alignment(rt.dg, mk_alignment)
+    rt.dg.m_grouped_fp8_gemm_nt_contiguous((a, rt.mn_major_view(sfa, a.shape[0])), (b, sfb), d, layout,
+                                           **_psum_kwargs(rt, use_psum_layout, expected_m, compiled_dims))
 
 
 def _bf16_layout_run(symbol: str):
-    def run(dg, a, b, layout, d, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
-        _use_alignment(dg, mk_alignment)
-        getattr(dg, symbol)(a, b, d, layout, **_psum_kwargs(use_psum_layout, expected_m, compiled_dims))
+    def run(rt, a, b, layout, d, *, mk_alignment, use_psum_layout, expected_m, compiled_dims):
+        _use_alignment(rt.dg, mk_alignment)
+        getattr(rt.dg, symbol)(a, b, d, layout, **_psum_kwargs(rt, use_psum_layout, expected_m, compiled_dims))
     return run
 
 
@@ -527,9 +541,10 @@ def _layout_reference(x, w, layout, mk_alignment, use_psum_layout):
 M_GROUPED_FP8_PSUM = Op(
     name="m_grouped_fp8_gemm_nt_contiguous_psum",
     args=("a", "sfa", "b", "sfb", "grouped_layout"),
+    statics=PSUM_STATICS,
     shapes=_psum_shapes("m_grouped_fp8_gemm_nt_contiguous", fp8=True),
     run=_fp8_psum_run,
-    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
+    reference=lambda a, sfa, b, sfb, layout, *, mk_alignment, use_psum_layout:
         _layout_reference(ref.dequant(a, mn_major_logical(sfa, a.shape[0]), 1, 128),
                           ref.dequant(b, sfb, 128, 128), layout, mk_alignment, use_psum_layout),
     symbols=("m_grouped_fp8_gemm_nt_contiguous",),
@@ -542,10 +557,11 @@ def _bf16_layout_op(name: str, symbol: str, nn: bool) -> Op:
     return Op(
         name=name + ("" if nn else "_psum"),
         args=("a", "b", "grouped_layout"),
-        shapes=lambda a, b, layout, **static: psum_shapes(a, None, b, None, layout, **static),
-        statics=declared(psum_shapes),
+        statics=PSUM_STATICS,
+        shapes=lambda a, b, layout, *, mk_alignment, use_psum_layout: psum_shapes(
+            a, None, b, None, layout, mk_alignment=mk_alignment, use_psum_layout=use_psum_layout),
         run=_bf16_layout_run(symbol),
-        reference=lambda a, b, layout, *, mk_alignment, use_psum_layout, expected_m, compiled_dims:
+        reference=lambda a, b, layout, *, mk_alignment, use_psum_layout:
             _layout_reference(a, jnp.swapaxes(b, 1, 2) if nn else b, layout, mk_alignment,
                               use_psum_layout),
         symbols=(symbol,),
@@ -640,7 +656,7 @@ def m_grouped_bf16_gemm_nn_contiguous(a, b, grouped_layout, *, clean: bool = Tru
 
 # --- k-grouped BF16 (weight gradients in BF16) ----------------------------------------------------
 
-def _k_grouped_bf16_shapes(a, b, ks_tensor, c, *, ks, compiled_dims):
+def _k_grouped_bf16_shapes(a, b, ks_tensor, c, *, ks):
     ck = Checker("k_grouped_bf16_gemm_tn_contiguous")
     g, m, n = _k_grouped_c(ck, c, ks)
     ck.that(m % 8 == 0 and n % 8 == 0, "c", "must have M % 8 == 0 and N % 8 == 0 (16-byte rows of "
@@ -651,19 +667,20 @@ def _k_grouped_bf16_shapes(a, b, ks_tensor, c, *, ks, compiled_dims):
     return [jax.ShapeDtypeStruct((g, m, n), F32)]
 
 
-def _k_grouped_bf16_run(dg, a, b, ks_tensor, c, d, *, ks, compiled_dims):
+def _k_grouped_bf16_run(rt, a, b, ks_tensor, c, d, *, ks, compiled_dims):
     # upstream's test runs it at mk alignment 128 ("TODO: support arbitrary alignment"): the
     # alignment the checked ks are multiples of
-    _use_alignment(dg, 128)
-    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, **rt.dims(compiled_dims))
+    _use_alignment(rt.dg, 128)
+    rt.dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, list(ks), ks_tensor, c, **rt.dims(compiled_dims))
 
 
 K_GROUPED_BF16 = Op(
     name="k_grouped_bf16_gemm_tn_contiguous",
     args=("a", "b", "ks_tensor", "c"),
+    statics=K_GROUPED_STATICS,
     shapes=_k_grouped_bf16_shapes,
     run=_k_grouped_bf16_run,
-    reference=lambda a, b, ks_tensor, c, *, ks, compiled_dims: ref.k_grouped_bf16_gemm_tn_contiguous(a, b, c, ks=ks),
+    reference=lambda a, b, ks_tensor, c, *, ks: ref.k_grouped_bf16_gemm_tn_contiguous(a, b, c, ks=ks),
     symbols=("k_grouped_bf16_gemm_tn_contiguous",),
     aliases={"c": 0},
 )

@@ -38,6 +38,8 @@ from jax_dg.ops.gemm import FP8_GEMM, RECIPE_CHANNEL, fp8_gemm_nt
 from jax_dg.ops.grouped import K_GROUPED_FP8, M_GROUPED_FP8_MASKED, k_grouped_fp8_gemm_nt_contiguous, \
     m_grouped_fp8_gemm_nt_masked
 
+__all__ = ["fp8_grouped_linear", "fp8_linear"]
+
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 
@@ -79,7 +81,7 @@ def _linear_vjp(inputs, cts, saved):
     return {"x": dx, "w": dw}
 
 
-@exposes(FP8_GEMM["nt"])
+@exposes(FP8_GEMM["nt"], differentiable=True)
 def fp8_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w.T in bfloat16 with DeepSeek V3's FP8 recipe, differentiable (see the module doc).
 
@@ -131,7 +133,7 @@ def _grouped_vjp(inputs, cts, saved, *, expected_m):
     return {"x": dx, "w": dw}                           # masked_m: integer, no cotangent
 
 
-@exposes(M_GROUPED_FP8_MASKED, K_GROUPED_FP8)
+@exposes(M_GROUPED_FP8_MASKED, K_GROUPED_FP8, differentiable=True)
 def fp8_grouped_linear(x: jax.Array, w: jax.Array, masked_m: jax.Array, expected_m: int) -> jax.Array:
     """MoE experts on per-expert batches, differentiable: y[g, :masked_m[g]] = x[g] @ w[g].T.
 

@@ -1,4 +1,5 @@
-"""Hyper-connection: DeepGEMM's Mega mHC (the fused mHC step + RMSNorm + FP8 cast). SM100 only."""
+"""Hyper-connections: DeepGEMM's pre-norm GEMM (tf32_hc_prenorm_gemm) and Mega mHC (the fused
+mHC step + RMSNorm + FP8 cast, SM100 only)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import jax.numpy as jnp
 
 from jax_dg.contracts import align
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import mhc as ref
+
+__all__ = ["mega_mhc", "tf32_hc_prenorm_gemm"]
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -22,8 +25,7 @@ SF_LAYOUTS = (None, "gemm", "routed")
 
 
 def _shapes(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
-          rmsnorm_weight, *, hc_mult, hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps,
-          num_sinkhorn_iters, rmsnorm_eps, rmsnorm_scale, with_bf16, sf_layout, shared_sf_block_m):
+            rmsnorm_weight, *, hc_mult, num_sinkhorn_iters, with_bf16, sf_layout, shared_sf_block_m):
     ck = Checker("mega_mhc")
     ck.that(hc_mult == NUM_ROUTES, "hc_mult", f"must be {NUM_ROUTES} (DeepGEMM's kNumRoutes)", hc_mult)
     ck.that(num_sinkhorn_iters >= 1, "num_sinkhorn_iters", "must be >= 1", num_sinkhorn_iters)
@@ -68,7 +70,7 @@ def _shapes(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scale
     return outs
 
 
-def _run(dg, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
+def _run(rt, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scales, mix_bases,
           rmsnorm_weight, *outs, hc_mult, hc_norm_eps, hc_pre_eps, hc_post_scale, sinkhorn_eps,
           num_sinkhorn_iters, rmsnorm_eps, rmsnorm_scale, with_bf16, sf_layout, shared_sf_block_m):
     outs = list(outs)
@@ -91,21 +93,24 @@ def _run(dg, x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
             y_gemm_sf = view
         else:
             y_shared_sf = view
-    dg.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
-               comb_res_mix=comb_res_mix, fn=fn, mix_scales=mix_scales, mix_bases=mix_bases,
-               hc_mult=hc_mult, hc_norm_eps=hc_norm_eps, hc_pre_eps=hc_pre_eps,
-               hc_post_scale=hc_post_scale, sinkhorn_eps=sinkhorn_eps,
-               num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_weight=rmsnorm_weight,
-               rmsnorm_eps=rmsnorm_eps, rmsnorm_scale=rmsnorm_scale, new_residual=new_residual,
-               new_prev_mix=new_prev_mix, new_post_mix=new_post_mix,
-               new_comb_res_mix=new_comb_res_mix, y_bf16=y_bf16, y_fp8=y_fp8, y_gemm_sf=y_gemm_sf,
-               y_routed_sf=y_routed_sf, y_shared_sf=y_shared_sf, shared_sf_block_m=shared_sf_block_m)
+    rt.dg.mega_mhc(x=x, residual=residual, shifted_prev_mix=shifted_prev_mix, post_mix=post_mix,
+                   comb_res_mix=comb_res_mix, fn=fn, mix_scales=mix_scales, mix_bases=mix_bases,
+                   hc_mult=hc_mult, hc_norm_eps=hc_norm_eps, hc_pre_eps=hc_pre_eps,
+                   hc_post_scale=hc_post_scale, sinkhorn_eps=sinkhorn_eps,
+                   num_sinkhorn_iters=num_sinkhorn_iters, rmsnorm_weight=rmsnorm_weight,
+                   rmsnorm_eps=rmsnorm_eps, rmsnorm_scale=rmsnorm_scale, new_residual=new_residual,
+                   new_prev_mix=new_prev_mix, new_post_mix=new_post_mix,
+                   new_comb_res_mix=new_comb_res_mix, y_bf16=y_bf16, y_fp8=y_fp8, y_gemm_sf=y_gemm_sf,
+                   y_routed_sf=y_routed_sf, y_shared_sf=y_shared_sf, shared_sf_block_m=shared_sf_block_m)
 
 
 MEGA_MHC = Op(
     name="mega_mhc",
     args=("x", "residual", "shifted_prev_mix", "post_mix", "comb_res_mix", "fn", "mix_scales",
           "mix_bases", "rmsnorm_weight"),
+    statics=dict.fromkeys(("hc_mult", "hc_norm_eps", "hc_pre_eps", "hc_post_scale", "sinkhorn_eps",
+                           "num_sinkhorn_iters", "rmsnorm_eps", "rmsnorm_scale", "with_bf16",
+                           "sf_layout", "shared_sf_block_m"), REQUIRED),
     shapes=_shapes,
     run=_run,
     reference=ref.mega_mhc,
@@ -160,3 +165,53 @@ def mega_mhc(x, residual, post_mix, comb_res_mix, fn, mix_scales, mix_bases, rms
     elif fp8_sf_layout == "routed":
         names += ["y_fp8", "y_routed_sf", "y_shared_sf"]
     return dict(zip(names, outs))
+
+
+# --- the hyper-connection pre-norm GEMM ----------------------------------------------------------
+
+def _prenorm_shapes(x, fn, *, num_split):
+    ck = Checker("tf32_hc_prenorm_gemm")
+    ck.ndim(x, "x", 2, "[M, K]")
+    ck.dtype(x, "x", jnp.bfloat16)
+    ck.ndim(fn, "fn", 2, "[N, K]")
+    ck.dtype(fn, "fn", F32)
+    m, k = x.shape
+    n = fn.shape[0]
+    ck.that(fn.shape[1] == k, "fn", f"must be [N, K] with x's K = {k}", tuple(fn.shape))
+    ck.that(0 < n <= 32 and n % 8 == 0, "fn", "must have 0 < N <= 32 and N % 8 == 0", n)
+    ck.that(k > 0 and k % 64 == 0, "x", "must have K a positive multiple of 64", k)
+    if num_split is None:
+        return [jax.ShapeDtypeStruct((m, n), F32), jax.ShapeDtypeStruct((m,), F32)]
+    s = ck.static_int(num_split, "num_split", 1)
+    ck.that(s <= k // 64, "num_split", f"must be <= K / 64 = {k // 64} (a split takes whole "
+            "64-wide K blocks)", s)
+    return [jax.ShapeDtypeStruct((s, m, n), F32), jax.ShapeDtypeStruct((s, m), F32)]
+
+
+def _prenorm_run(rt, x, fn, d, sqr_sum, *, num_split):
+    rt.dg.tf32_hc_prenorm_gemm(x, fn, d, sqr_sum, num_split)
+
+
+TF32_HC_PRENORM_GEMM = Op(
+    name="tf32_hc_prenorm_gemm",
+    args=("x", "fn"),
+    statics={"num_split": REQUIRED},
+    shapes=_prenorm_shapes,
+    run=_prenorm_run,
+    reference=ref.tf32_hc_prenorm_gemm,
+    symbols=("tf32_hc_prenorm_gemm",),
+)
+
+
+@exposes(TF32_HC_PRENORM_GEMM)
+def tf32_hc_prenorm_gemm(x, fn, num_split: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """out = x.float() @ fn.T (TF32 tensor cores) and sqrsum = x.float().square().sum(-1).
+
+    x: bfloat16 [M, K], K % 64 == 0; fn: float32 [N, K], N <= 32, N % 8 == 0.
+    num_split: static int S >= 1 (<= K / 64): K is cut into S ranges of whole 64-wide blocks
+    (the remainder to the first ranges) and partials come back per range: out float32
+    [S, M, N], sqrsum float32 [S, M]; sum over axis 0 for the totals. None: out [M, N],
+    sqrsum [M].
+    """
+    d, sqr_sum = TF32_HC_PRENORM_GEMM(x, fn, num_split=num_split)
+    return d, sqr_sum

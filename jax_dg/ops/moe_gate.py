@@ -7,11 +7,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core import runtime as rt
 from jax_dg.core import values
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, exposes
+from jax_dg.core.op import REQUIRED, Op, exposes
 from jax_dg.reference import moe_gate as ref
+
+__all__ = ["bf16_mega_gate"]
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -86,9 +87,9 @@ def _shapes(x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mas
     return outs
 
 
-def _run(dg, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
+def _run(rt, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_mask,
           to_physical_map, logical_count, unmapped_in, topk_idx, topk_weights, unmapped_out=None,
-          *, num_topk, scoring_func, routed_scaling_factor, ep_rank, num_shared_experts, index_dtype):
+          *, num_topk, scoring_func, routed_scaling_factor, ep_rank, num_shared_experts):
     # DeepGEMM writes int64 indices; int32 outputs (JAX's default) go through a temporary.
     idx64 = topk_idx if topk_idx.dtype == rt.int64 else topk_idx.to(rt.int64)
     unmapped = None
@@ -99,12 +100,12 @@ def _run(dg, x, weight, mask, bias, image_bias, image_token_mask, fix_routing_ma
             unmapped = unmapped_out
         else:
             unmapped = unmapped_in.to(rt.int64)
-    dg.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
-                     routed_scaling_factor, ep_rank, scoring_func=scoring_func, mask=mask, bias=bias,
-                     image_bias=image_bias, image_token_mask=image_token_mask,
-                     fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
-                     logical_count=logical_count, unmapped_topk_idx=unmapped,
-                     out=(idx64, topk_weights))
+    rt.dg.bf16_mega_gate(x, weight, num_topk, num_shared_experts > 0, num_shared_experts,
+                         routed_scaling_factor, ep_rank, scoring_func=scoring_func, mask=mask, bias=bias,
+                         image_bias=image_bias, image_token_mask=image_token_mask,
+                         fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
+                         logical_count=logical_count, unmapped_topk_idx=unmapped,
+                         out=(idx64, topk_weights))
     if idx64 is not topk_idx:
         topk_idx.copy_(idx64)
     if unmapped is not None and unmapped is not unmapped_out:
@@ -115,6 +116,8 @@ BF16_MEGA_GATE = Op(
     name="bf16_mega_gate",
     args=("x", "weight", "mask", "bias", "image_bias", "image_token_mask", "fix_routing_mask",
           "to_physical_map", "logical_count", "unmapped_topk_idx"),
+    statics=dict.fromkeys(("num_topk", "scoring_func", "routed_scaling_factor", "ep_rank",
+                           "num_shared_experts", "index_dtype"), REQUIRED),
     shapes=_shapes,
     run=_run,
     reference=ref.bf16_mega_gate,

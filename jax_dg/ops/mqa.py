@@ -4,7 +4,7 @@
 
 DeepGEMM (2.5.0, SM90) allocates the logits itself, a buffer with padded rows and columns. The
 custom call's result is declared with that layout and DeepGEMM's allocation lands in it
-(jax_dg.core.landing: no copy, nothing torch keeps, so the call can be captured into a CUDA
+(jax_dg.runtime.landing: no copy, nothing torch keeps, so the call can be captured into a CUDA
 graph). With clean_logits the op's
 finish then runs jax_dg's own kernel, a native call after DeepGEMM's in XLA, in place: -inf at
 the invalid positions of the logical [M, N] block and only there (kernels/neg_inf.cu), so every
@@ -20,15 +20,15 @@ import jax.numpy as jnp
 
 from jax_dg import contracts
 from jax_dg.contracts import SPARSE_BLOCKS, SPARSE_SPLIT_KV
-from jax_dg.backends import deep_gemm
-from jax_dg.core import landing
-from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device, native, values
-from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.operands.indexer import fold_q_scale
 from jax_dg.reference import mqa as ref
+
+__all__ = ["fp8_fp4_mqa_logits", "fp8_fp4_sparse_mqa_logits", "get_sparse_mqa_logits_metadata",
+           "mqa_logits"]
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -41,21 +41,14 @@ NEG_INF = float("-inf")
 
 # --- fp8_fp4_mqa_logits -------------------------------------------------------------------------
 
-def logits_buffer(rows: int, stride: int, logits_dtype: str = "float32") -> jax.ShapeDtypeStruct:
-    """The custom-call result a padded [rows, stride] logits allocation lands in
-    (jax_dg.core.landing): more rows where torch's CUDA allocator rounds the allocation up."""
-    segmented = device.target().platform == "cuda"
+def logits_buffer(t: device.Target, rows: int, stride: int,
+                  logits_dtype: str = "float32") -> jax.ShapeDtypeStruct:
+    """The custom-call result a padded [rows, stride] logits allocation lands in on target `t`
+    (jax_dg.runtime.landing): more rows where torch's CUDA allocator rounds the allocation up."""
+    segmented = t.platform == "cuda"
     itemsize = contracts.LOGITS_ITEMSIZE[logits_dtype]
     return jax.ShapeDtypeStruct((contracts.landing_rows(rows, stride, itemsize, segmented), stride),
                                 logits_dtype)
-
-
-def stride_align(logits_dtype: str = "float32") -> int:
-    """The row-stride alignment (elements) of the logits the traced call's backend allocates
-    (the references keep DeepGEMM 2.5's)."""
-    t = device.target()
-    version = deep_gemm.version_tuple() if t.backend == "deep_gemm" else (2, 5)
-    return contracts.logits_stride_align(version, logits_dtype)
 
 
 def check_logits_dtype(ck: Checker, logits_dtype) -> str:
@@ -65,8 +58,7 @@ def check_logits_dtype(ck: Checker, logits_dtype) -> str:
     return name
 
 
-def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
-                     logits_dtype="float32"):
+def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, target, max_seqlen_k, logits_dtype):
     ck = Checker("mqa_logits")
     ck.ndim(q, "q[0]", 3, "[M, H, D]")
     ck.dtype(q, "q[0]", FP8)
@@ -82,26 +74,22 @@ def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_log
     ck.tensor(weights, "weights", [F32], (m, h), "[M, H]")
     ck.tensor(ks, "cu_seqlen_ks", [I32], (m,), "[M]")
     ck.tensor(ke, "cu_seqlen_ke", [I32], (m,), "[M]")
-    rows, stride = contracts.mqa_logits_layout(m, h, n, max_seqlen_k, stride_align)
-    return [logits_buffer(rows, stride, logits_dtype)]
+    # the layout of the target's DeepGEMM (the references keep 2.5's); the plan: whether
+    # DeepGEMM's allocation lands in the result (contracts.lands)
+    rows, stride = contracts.mqa_logits_layout(
+        m, h, n, max_seqlen_k, contracts.logits_stride_align(target.version, logits_dtype))
+    return shaped([logits_buffer(target, rows, stride, logits_dtype)],
+                  lands=contracts.lands(rows, target.platform == "cuda"))
 
 
-def _mqa_logits_plan(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
-                     logits_dtype="float32"):
-    rows, _ = contracts.mqa_logits_layout(q.shape[0], q.shape[1], kv.shape[0], max_seqlen_k,
-                                          stride_align)
-    return {"lands": contracts.lands(rows, device.target().platform == "cuda")}
-
-
-def _mqa_logits_run(dg, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, clean_logits,
-                    stride_align, lands, logits_dtype="float32"):
+def _mqa_logits_run(rt, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, lands, logits_dtype):
     # DeepGEMM writes its own allocation: land it in `out`. Keywords from the 6th argument on:
     # DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes clean_logits there (a positional int
     # would turn into clean_logits=True); >= 2.8 has no clean_logits at all (backends.deep_gemm
     # drops it by signature). DeepGEMM's own cleaning is never asked for: it has none for the
     # compressed form, and jax_dg's -inf kernel (the op's finish) writes the same positions in
     # every version.
-    landing.land(out, lambda: dg.fp8_fp4_mqa_logits(
+    rt.land(out, lambda: rt.dg.fp8_fp4_mqa_logits(
         (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k,
         logits_dtype=rt.dtype(logits_dtype)), lands)
 
@@ -112,8 +100,7 @@ def compressed_lens(ks, ke, num_keys: int):
     return jnp.minimum(ke, num_keys) - ks
 
 
-def _mqa_logits_finish(outs, inputs, *, max_seqlen_k, clean_logits, stride_align,
-                       logits_dtype="float32"):
+def _mqa_logits_finish(outs, inputs, *, max_seqlen_k, clean_logits):
     """The [M, width] block of the padded buffer; with clean_logits, -inf written first (in
     place, jax_dg's own kernel) outside [ks, ke), or past column ke - ks in the compressed form."""
     (buf,) = outs
@@ -124,14 +111,12 @@ def _mqa_logits_finish(outs, inputs, *, max_seqlen_k, clean_logits, stride_align
     return (buf[:m, :cols],)
 
 
-def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, clean_logits, stride_align,
-                          logits_dtype="float32"):
+def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, logits_dtype):
     # bfloat16 logits: DeepGEMM rounds its float32 sums once, on the store
     return ref.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k).astype(logits_dtype)
 
 
-def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, stride_align,
-                      logits_dtype="float32"):
+def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, logits_dtype):
     """vmap over batches of queries with shared keys: the batch folds into M (one kernel over
     B * M query rows); keys batched too: sequential."""
     if batched["kv"] or batched["kv_sf"]:
@@ -140,8 +125,7 @@ def _mqa_logits_batch(size, batched, inputs, *, max_seqlen_k, clean_logits, stri
     m = q.shape[1]
     (out,) = FP8_MQA_LOGITS(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w),
                             ks.reshape(-1), ke.reshape(-1), max_seqlen_k=max_seqlen_k,
-                            clean_logits=clean_logits, stride_align=stride_align,
-                            logits_dtype=logits_dtype)
+                            clean_logits=clean_logits, logits_dtype=logits_dtype)
     return (out.reshape(size, m, -1),)
 
 
@@ -156,8 +140,8 @@ def query_sharding(out) -> Sharding:
 FP8_MQA_LOGITS = Op(
     name="fp8_fp4_mqa_logits",
     args=("q", "kv", "kv_sf", "weights", "cu_seqlen_ks", "cu_seqlen_ke"),
+    statics={"max_seqlen_k": REQUIRED, "clean_logits": REQUIRED, "logits_dtype": "float32"},
     shapes=_mqa_logits_shapes,
-    plan=_mqa_logits_plan,
     run=_mqa_logits_run,
     reference=_mqa_logits_reference,
     symbols=("fp8_fp4_mqa_logits",),
@@ -218,56 +202,38 @@ def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, *, max_seqlen_k: int 
     logits_dtype: float32 (default) or bfloat16: DeepGEMM rounds each float32 sum to bfloat16
        as it stores it (half the output bytes; -inf stays -inf). Static.
     """
-    arrays, width = mqa_arguments("mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, width = mqa_arguments(
+        "mqa_logits", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
     ck = Checker("mqa_logits")
     dtype = check_logits_dtype(ck, logits_dtype)
-    static = dict(max_seqlen_k=width, clean_logits=ck.static_bool(clean_logits, "clean_logits"),
-                  stride_align=stride_align(dtype), logits_dtype=dtype)
-    call = FP8_MQA_LOGITS.bind(*arrays, **static)
-    shape = (arrays[0].shape[0], width or arrays[1].shape[0])
-    if 0 in shape or arrays[1].shape[0] == 0:  # nothing to score: every position is invalid
+    call = FP8_MQA_LOGITS.bind(q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k=width,
+                               logits_dtype=dtype, clean_logits=ck.static_bool(clean_logits, "clean_logits"))
+    shape = (q.shape[0], width or kv.shape[0])
+    if 0 in shape or kv.shape[0] == 0:  # nothing to score: every position is invalid
         return jnp.full(shape, NEG_INF, dtype)
     (logits,) = call()
     return logits
 
 
-def mqa_arguments(name: str, q, kv, weights, ks, ke, max_seqlen_k):
-    """The logits op's arrays (q values, kv values, kv scale, weights, ks, ke) and static
-    width from the public arguments: q's scale folded into the weights; with a width, ke cut
-    to ks + width (DeepGEMM does not check max_seqlen_k >= ke - ks: a longer row would be
-    written into the next one, so a row keeps its first width keys)."""
+def mqa_arguments(name: str, q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k):
+    """The logits op's arrays (q values, kv values, kv scale, weights, ks, ke) and its static
+    width from the public arguments, checked: q's scale folded into the weights, the key
+    ranges brought into [0, N] and, with a width, ke cut to ks + width (jax_dg.core.values:
+    DeepGEMM checks neither)."""
     ck = Checker(name)
-    qv, weights = _q_values_and_weights(ck, q, weights)
-    kvv, kvs = ck.pair(kv, "kv")
-    for x, arg in ((kvv, "kv[0]"), (kvs, "kv[1]"), (ks, "cu_seqlen_ks"), (ke, "cu_seqlen_ke")):
+    q, weights = _q_values_and_weights(ck, q, weights)
+    kv, kv_sf = ck.pair(kv, "kv")
+    for x, arg in ((kv, "kv[0]"), (kv_sf, "kv[1]"), (cu_seqlen_ks, "cu_seqlen_ks"),
+                   (cu_seqlen_ke, "cu_seqlen_ke")):
         ck.array(x, arg)
     width = 0 if max_seqlen_k is None else ck.static_int(max_seqlen_k, "max_seqlen_k", minimum=1)
-    ck.dtype(ks, "cu_seqlen_ks", I32)
-    ck.dtype(ke, "cu_seqlen_ke", I32)
-    if ks.shape == ke.shape and ks.ndim == 1 and kvv.ndim == 2:   # else the shape function names it
-        ks, ke = clamp_key_ranges(name, ks, ke, kvv.shape[0])
-        if width:
-            ke = clamp_row_ends(ks, ke, width)
-    return (qv, kvv, kvs, weights, ks, ke), width
-
-
-def clamp_key_ranges(name: str, ks, ke, num_keys: int):
-    """(ks, ke) brought into 0 <= ks <= ke <= N (a clamp on two [M] vectors, fused by XLA):
-    DeepGEMM reads keys [ks, ke) unchecked. A row's range becomes [clip(ks, 0, N),
-    clip(ke, ks', N)): keys outside [0, N) do not exist, ke <= ks stays an empty row. In
-    checked mode (jax_dg.checked) ks < 0 or ke > N raises instead."""
-    values.require(name, "cu_seqlen_ks", ks >= 0, "must be >= 0 (a key index)", ks)
-    values.require(name, "cu_seqlen_ke", ke <= num_keys, f"must be <= N = {num_keys} (keys)", ke)
-    ks = jnp.clip(ks, 0, num_keys)
-    return ks, jnp.clip(ke, ks, num_keys)
-
-
-def clamp_row_ends(ks, ke, width: int):
-    """ke cut to ks + width, exactly for every int32 pair (ke - ks is taken modulo 2**32, so
-    no overflow), and never below ks."""
-    span = jax.lax.bitcast_convert_type(ke, jnp.uint32) - jax.lax.bitcast_convert_type(ks, jnp.uint32)
-    span = jnp.where(ke > ks, jnp.minimum(span, jnp.uint32(width)), jnp.uint32(0))
-    return ks + span.astype(I32)
+    ck.dtype(cu_seqlen_ks, "cu_seqlen_ks", I32)
+    ck.dtype(cu_seqlen_ke, "cu_seqlen_ke", I32)
+    if cu_seqlen_ks.shape == cu_seqlen_ke.shape and cu_seqlen_ks.ndim == 1 and kv.ndim == 2:
+        # (else the shape rule names what is wrong)
+        cu_seqlen_ks, cu_seqlen_ke = values.key_ranges(name, cu_seqlen_ks, cu_seqlen_ke,
+                                                       kv.shape[0], width)
+    return q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, width
 
 
 @exposes(FP8_MQA_LOGITS)
@@ -304,7 +270,7 @@ def qk_dtype_name(ck: Checker, qk_dtype) -> str:
     return name
 
 
-def _sparse_meta_shapes(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+def _sparse_meta_shapes(ks, ke, indices, *, qk_dtype, sparse_block_kv, num_sms):
     ck = Checker("get_sparse_mqa_logits_metadata")
     ck.ndim(ks, "cu_seqlen_ks", 1, "[M]")
     ck.dtype(ks, "cu_seqlen_ks", I32)
@@ -322,15 +288,15 @@ def _sparse_meta_shapes(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_bloc
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
 
-def _sparse_meta_run(dg, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+def _sparse_meta_run(rt, ks, ke, indices, out, *, num_kv_tokens, qk_dtype, sparse_block_kv):
     m, nmsb = indices.shape
-    meta = dg.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, rt.dtype(qk_dtype),
-                                             sparse_block_kv, use_unaligned_ks=True)
+    meta = rt.dg.get_sparse_mqa_logits_metadata(ks, ke, num_kv_tokens, indices, rt.dtype(qk_dtype),
+                                                sparse_block_kv, use_unaligned_ks=True)
     rt.write_sparse_metadata(out, (ks, ke, indices), meta, m, nmsb, paged=False,
                              what="get_sparse_mqa_logits_metadata")
 
 
-def _sparse_meta_reference(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_block_kv, num_sms):
+def _sparse_meta_reference(ks, ke, indices, *, qk_dtype, sparse_block_kv, num_sms):
     m, nmsb = indices.shape
     size = contracts.sparse_metadata_bytes(m, nmsb, sparse_block_kv, qk_dtype, num_sms, paged=False)
     # The backend's part: the same three vectors (as the torch emulation writes them).
@@ -342,6 +308,8 @@ def _sparse_meta_reference(ks, ke, indices, *, num_kv_tokens, qk_dtype, sparse_b
 GET_SPARSE_MQA_LOGITS_METADATA = Op(
     name="get_sparse_mqa_logits_metadata",
     args=("cu_seqlen_ks", "cu_seqlen_ke", "sparse_kv_block_indices"),
+    statics={"num_kv_tokens": REQUIRED, "qk_dtype": REQUIRED, "sparse_block_kv": REQUIRED,
+             "num_sms": REQUIRED},
     shapes=_sparse_meta_shapes,
     run=_sparse_meta_run,
     reference=_sparse_meta_reference,
@@ -372,18 +340,19 @@ def get_sparse_mqa_logits_metadata(cu_seqlen_ks, cu_seqlen_ke, num_kv_tokens: in
     for x, name in ((cu_seqlen_ks, "cu_seqlen_ks"), (cu_seqlen_ke, "cu_seqlen_ke"),
                     (sparse_kv_block_indices, "sparse_kv_block_indices")):
         ck.array(x, name)
+    t = device.target()
     static = dict(
         num_kv_tokens=ck.static_int(num_kv_tokens, "num_kv_tokens", minimum=0),
         qk_dtype=qk_dtype_name(ck, qk_dtype),
         sparse_block_kv=_check_sparse_block_kv(ck, sparse_block_kv),
-        num_sms=ck.static_int(device.target().num_sms if num_sms is None else num_sms, "num_sms", minimum=1),
+        num_sms=ck.static_int(t.num_sms if num_sms is None else num_sms, "num_sms", minimum=1),
     )
-    (meta,) = GET_SPARSE_MQA_LOGITS_METADATA(cu_seqlen_ks, cu_seqlen_ke, sparse_kv_block_indices, **static)
+    (meta,) = GET_SPARSE_MQA_LOGITS_METADATA(cu_seqlen_ks, cu_seqlen_ke, sparse_kv_block_indices,
+                                             target=t, **static)
     return meta
 
 
-def _sparse_shapes(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks, sparse_block_kv,
-                 clean_logits):
+def _sparse_shapes(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks, sparse_block_kv):
     ck = Checker("fp8_fp4_sparse_mqa_logits")
     ck.ndim(q, "q[0]", 3, "[M, H, D] (D/2 bytes for packed FP4)")
     ck.dtype(q, "q[0]", FP8, jnp.int8)
@@ -407,12 +376,12 @@ def _sparse_shapes(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_bloc
     return [jax.ShapeDtypeStruct((m, nmsb * sbk), jnp.bfloat16)]
 
 
-def _sparse_run(dg, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
+def _sparse_run(rt, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_sparse_blocks,
                 sparse_block_kv, clean_logits):
     m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
-    logits = dg.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), rt.row_aligned(weights, 8),
-                                          rt.sparse_payload(metadata, m, nmsb, paged=False), nmsb,
-                                          sbk, use_unaligned_ks=True)
+    logits = rt.dg.fp8_fp4_sparse_mqa_logits((q, q_sf), (kv, kv_sf), rt.row_aligned(weights, 8),
+                                             rt.sparse_payload(metadata, m, nmsb, paged=False), nmsb,
+                                             sbk, use_unaligned_ks=True)
     if not clean_logits:
         out.copy_(logits)
         return
@@ -421,7 +390,7 @@ def _sparse_run(dg, q, q_sf, kv, kv_sf, weights, metadata, out, *, num_max_spars
 
 
 def _sparse_reference(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_blocks,
-                      sparse_block_kv, clean_logits):
+                      sparse_block_kv):
     ks, ke, idx = ref.sparse_header_arrays(metadata, q.shape[0], num_max_sparse_blocks, paged=False)
     return ref.sparse_mqa_logits(q, q_sf, kv, kv_sf, weights, ks, ke, idx,
                                  sparse_block_kv=sparse_block_kv)
@@ -430,6 +399,7 @@ def _sparse_reference(q, q_sf, kv, kv_sf, weights, metadata, *, num_max_sparse_b
 FP8_FP4_SPARSE_MQA_LOGITS = Op(
     name="fp8_fp4_sparse_mqa_logits",
     args=("q", "q_sf", "kv", "kv_sf", "weights", "metadata"),
+    statics={"num_max_sparse_blocks": REQUIRED, "sparse_block_kv": REQUIRED, "clean_logits": REQUIRED},
     shapes=_sparse_shapes,
     run=_sparse_run,
     reference=_sparse_reference,

@@ -11,7 +11,7 @@ What jax_dg adds to DeepGEMM's contract (2.5.0, SM90), so that outputs are fully
   the kernel as 2-D, as 2.5.0 requires.
 - DeepGEMM scores all rows of a request up to its *last* row's length, so a row is cut to that
   length (its tail is -inf), and negative lengths count as 0.
-- DeepGEMM's padded allocation lands in the custom call's result (jax_dg.core.landing, no
+- DeepGEMM's padded allocation lands in the custom call's result (jax_dg.runtime.landing, no
   copy), as does the schedule the call makes when none is given (a second, scratch result),
   so the call allocates nothing torch keeps and can be captured into a CUDA graph; with
   clean_logits the op's finish then runs jax_dg's
@@ -47,15 +47,19 @@ import jax.numpy as jnp
 
 from jax_dg import contracts
 from jax_dg.backends import deep_gemm
-from jax_dg.core import landing
-from jax_dg.core import runtime as rt
 from jax_dg.core.checks import Checker
 from jax_dg.core import device, native, values
-from jax_dg.core.op import Op, bcast, exposes, fold_rows
+from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
 from jax_dg.core.sharding import Layout, Sharding
-from jax_dg.ops.mqa import check_logits_dtype, logits_buffer, qk_dtype_name, stride_align
+from jax_dg.ops.mqa import check_logits_dtype, logits_buffer, qk_dtype_name
 from jax_dg.operands.paged import check_kv_cache
 from jax_dg.reference import paged_mqa as ref
+
+__all__ = ["fp8_fp4_paged_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits",
+           "get_paged_mqa_logits_metadata", "get_paged_mqa_page_sizes",
+           "get_paged_sparse_mqa_logits_metadata", "has_deep_gemm_sparse_mqa",
+           "mqa_logits_mx_inputs", "mqa_logits_use_mx_scales", "native_next_n_supported",
+           "paged_mqa_logits"]
 
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -106,27 +110,27 @@ def has_deep_gemm_sparse_mqa() -> bool:
 
 # --- schedule metadata ------------------------------------------------------------------------
 
-def schedule_buffer(slots: int) -> jax.ShapeDtypeStruct:
-    """The custom-call result DeepGEMM's int32 [slots + 1, 2] schedule allocation lands in
-    (jax_dg.core.landing; on CUDA the rows of torch's whole 2 MiB segment)."""
-    segmented = device.target().platform == "cuda"
+def schedule_buffer(t: device.Target, slots: int) -> jax.ShapeDtypeStruct:
+    """The custom-call result DeepGEMM's int32 [slots + 1, 2] schedule allocation lands in on
+    target `t` (jax_dg.runtime.landing; on CUDA the rows of torch's whole 2 MiB segment)."""
+    segmented = t.platform == "cuda"
     return jax.ShapeDtypeStruct((contracts.landing_rows(slots + 1, 2, 4, segmented), 2), I32)
 
 
-def _metadata_shapes(context_lens, indices, *, block_kv, num_sms):
-    return [schedule_buffer(num_sms)]
+def _metadata_shapes(context_lens, indices, *, target, num_sms):
+    return [schedule_buffer(target, num_sms)]
 
 
-def _metadata_run(dg, context_lens, indices, out, *, block_kv, num_sms):
+def _metadata_run(rt, context_lens, indices, out, *, block_kv, num_sms):
     kw = {} if indices is None else {"indices": indices}
-    landing.land(out, lambda: dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
+    rt.land(out, lambda: rt.dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, **kw))
 
 
-def _metadata_finish(outs, inputs, *, block_kv, num_sms):
+def _metadata_finish(outs, inputs, *, num_sms):
     return (outs[0][:num_sms + 1],)
 
 
-def _metadata_reference(context_lens, indices, *, block_kv, num_sms):
+def _metadata_reference(context_lens, indices, *, num_sms):
     if indices is not None:
         return ref.paged_mqa_logits_varlen_metadata(context_lens, indices, num_sms=num_sms)
     return ref.paged_mqa_logits_metadata(context_lens, num_sms=num_sms)
@@ -137,6 +141,7 @@ SM90, SM100 = frozenset({"sm90"}), frozenset({"sm100"})
 GET_PAGED_MQA_LOGITS_METADATA = Op(
     name="get_paged_mqa_logits_metadata",
     args=("context_lens", "indices"),
+    statics={"block_kv": REQUIRED, "num_sms": REQUIRED},
     shapes=_metadata_shapes,
     run=_metadata_run,
     reference=_metadata_reference,
@@ -177,9 +182,9 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     On the GPU this is DeepGEMM's own kernel; elsewhere its exact algorithm (bit-exact).
     """
     ck = Checker("get_paged_mqa_logits_metadata")
-    GET_PAGED_MQA_LOGITS_METADATA.gate(["context_lens"] + ([] if indices is None else ["indices"]))
-    _check_context_lens(ck, context_lens)
     t = device.target()
+    GET_PAGED_MQA_LOGITS_METADATA.gate(t, ["context_lens"] + ([] if indices is None else ["indices"]))
+    _check_context_lens(ck, context_lens)
     if context_lens.ndim == 2:
         ck.that(next_n is None or next_n == context_lens.shape[1], "next_n",
                 f"must match context_lens' next_n = {context_lens.shape[1]}", next_n)
@@ -198,43 +203,38 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     if indices is not None:
         _check_indices(ck, indices, context_lens.shape[0], next_n)
     slots = contracts.schedule_slots(num_sms, next_n, t.arch, varlen=indices is not None)
-    (meta,) = GET_PAGED_MQA_LOGITS_METADATA(lens, indices, block_kv=block_size, num_sms=slots)
+    (meta,) = GET_PAGED_MQA_LOGITS_METADATA(lens, indices, target=t, block_kv=block_size, num_sms=slots)
     return meta
 
 
 # --- dense paged logits -----------------------------------------------------------------------
 
 def _logits_shapes(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                 indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
-                 stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
-    # float32 rows are align(L, 256) in every DeepGEMM version: the default serves the indexer
-    layout = contracts.paged_logits_layout(q.shape[0] * q.shape[1], max_model_len, stride_align)
+                   indices, *, target, max_model_len, slots, logits_dtype):
+    rows = q.shape[0] * q.shape[1]
+    layout = contracts.paged_logits_layout(
+        rows, max_model_len, contracts.logits_stride_align(target.version, logits_dtype))
     # no schedule given: the call makes one, in a second result (a scratch the finish drops)
-    return [logits_buffer(*layout, logits_dtype)] + ([schedule_buffer(slots)] if schedule_metadata is None else [])
+    scratch = [schedule_buffer(target, slots)] if schedule_metadata is None else []
+    return shaped([logits_buffer(target, *layout, logits_dtype)] + scratch,
+                  lands=contracts.lands(rows, target.platform == "cuda"))
 
 
-def _logits_plan(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                 indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
-                 stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
-    return {"lands": contracts.lands(q.shape[0] * q.shape[1], device.target().platform == "cuda")}
-
-
-def _logits_run(dg, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, out, schedule=None, *, max_model_len, clean_logits, slots, lands,
-                logits_dtype="float32", stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
+def _logits_run(rt, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                indices, out, schedule=None, *, max_model_len, slots, lands, logits_dtype):
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # absent (a trace-time fact): the schedule of exactly these rows
-        landing.land(schedule, lambda: dg.get_paged_mqa_logits_metadata(
+        rt.land(schedule, lambda: rt.dg.get_paged_mqa_logits_metadata(
             context_lens, kv_cache.shape[1], slots, **kw))
         schedule_metadata = schedule[:slots + 1]
-    # DeepGEMM's allocation lands in `out` (jax_dg.core.landing). Keywords: positional
+    # DeepGEMM's allocation lands in `out` (jax_dg.runtime.landing). Keywords: positional
     # arguments after the 7th changed meaning across DeepGEMM releases.
-    landing.land(out, lambda: dg.fp8_fp4_paged_mqa_logits(
+    rt.land(out, lambda: rt.dg.fp8_fp4_paged_mqa_logits(
         (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
         max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw), lands)
 
 
-def _logits_finish(outs, inputs, *, max_model_len, clean_logits, slots, **layout):
+def _logits_finish(outs, inputs, *, max_model_len, clean_logits):
     """The [B * next_n, max_model_len] block; with clean_logits, -inf past each row's length
     written first (in place, jax_dg's own kernel)."""
     buf = outs[0]   # [1]: the schedule made in the call, if any
@@ -245,13 +245,12 @@ def _logits_finish(outs, inputs, *, max_model_len, clean_logits, slots, **layout
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                      indices, *, max_model_len, clean_logits, slots, logits_dtype="float32",
-                      stride_align=contracts.LEGACY_LOGITS_STRIDE_ALIGN):
+                      indices, *, max_model_len, logits_dtype):
     return ref.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
                                 max_model_len=max_model_len).astype(logits_dtype)
 
 
-def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots, **layout):
+def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots, logits_dtype):
     """vmap over batches of requests sharing one KV cache: the batch folds into B (one kernel
     over V * B requests, the schedule computed for all of them); a batched cache, MX scales,
     the varlen form or a given schedule: sequential."""
@@ -261,7 +260,7 @@ def _logits_batch(size, batched, inputs, *, max_model_len, clean_logits, slots, 
                          for n in ("q", "weights", "context_lens", "block_tables"))
     (out,) = PAGED_MQA_LOGITS(fold_rows(q), None, inputs["kv_cache"], fold_rows(w), fold_rows(lens),
                               fold_rows(table), None, None, max_model_len=max_model_len,
-                              clean_logits=clean_logits, slots=slots, **layout)
+                              clean_logits=clean_logits, slots=slots, logits_dtype=logits_dtype)
     return (out.reshape(size, -1, out.shape[-1]),)
 
 
@@ -280,8 +279,9 @@ PAGED_MQA_LOGITS = Op(
     name="fp8_fp4_paged_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata",
           "indices"),
+    statics={"max_model_len": REQUIRED, "clean_logits": REQUIRED, "slots": REQUIRED,
+             "logits_dtype": "float32"},
     shapes=_logits_shapes,
-    plan=_logits_plan,
     run=_logits_run,
     reference=_logits_reference,
     symbols=("fp8_fp4_paged_mqa_logits",),
@@ -296,24 +296,23 @@ PAGED_MQA_LOGITS = Op(
 
 def _paged_logits(name, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                   max_model_len, indices, clean_logits, logits_dtype):
-    arrays, static = paged_arguments(name, q, kv_cache, weights, context_lens, block_tables,
+    t = device.target()
+    arrays, static = paged_arguments(name, t, q, kv_cache, weights, context_lens, block_tables,
                                      schedule_metadata, max_model_len, indices)
     ck = Checker(name)
     clean_logits = ck.static_bool(clean_logits, "clean_logits")
-    dtype = check_logits_dtype(ck, logits_dtype)
-    (out,) = PAGED_MQA_LOGITS(*arrays, clean_logits=clean_logits, logits_dtype=dtype,
-                              stride_align=stride_align(dtype), **static)
+    (out,) = PAGED_MQA_LOGITS(*arrays, target=t, clean_logits=clean_logits,
+                              logits_dtype=check_logits_dtype(ck, logits_dtype), **static)
     return out
 
 
-def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                    max_model_len, indices):
+def paged_arguments(name, t: device.Target, q, kv_cache, weights, context_lens, block_tables,
+                    schedule_metadata, max_model_len, indices):
     """The paged logits op's arrays and static attributes (but clean_logits) from the public
-    arguments, checked, with lengths and block table as the kernel needs them."""
+    arguments, checked for target `t`, with lengths and block table as the kernel needs them."""
     ck = Checker(name)
     qv, q_sf = ck.pair(q, "q", second_optional=True)
-    PAGED_MQA_LOGITS.gate(["q"] + [n for n, x in (("q_sf", q_sf), ("indices", indices)) if x is not None])
-    t = device.target()
+    PAGED_MQA_LOGITS.gate(t, ["q"] + [n for n, x in (("q_sf", q_sf), ("indices", indices)) if x is not None])
     ck.ndim(qv, "q[0]", 4, "[B, next_n, H, D]")
     ck.dtype(qv, "q[0]", FP8)
     b, next_n, h, d = qv.shape
@@ -361,13 +360,13 @@ def paged_arguments(name, q, kv_cache, weights, context_lens, block_tables, sche
     given = jnp.maximum(raw, 0)[:, None]
     if values.checking():
         _require_in_range(name, given, block_tables, nb, blk, limit)
-    bounded = schedule_metadata is not None and indices is None and next_n <= 2 and _walk_known()
+    bounded = schedule_metadata is not None and indices is None and next_n <= 2 and _walk_known(t)
     if bounded:   # the schedule's keys (row, split) count in int32
         ck.that((b + 1) * (contracts.cdiv(limit, contracts.SPLIT_KV) + 1) < 2 ** 31, "schedule_metadata",
                 "cannot be bounded: B * max_model_len / 256 overflows int32 (pass None)", (b, limit))
     static = dict(next_n=next_n, num_blocks=nb, block_size=blk, limit=limit, zero_unused=blk == 32)
     sched = schedule_metadata if bounded else None
-    ctx, block_tables, *fixed = PAGED_SANITISE(context_lens, block_tables, sched,
+    ctx, block_tables, *fixed = PAGED_SANITISE(context_lens, block_tables, sched, target=t,
                                                one_d=context_lens.ndim == 1, **static)
     if indices is not None:   # request ids of the varlen form: addresses too
         values.require(name, "indices", (indices >= 0) & (indices < b), f"must lie in [0, B = {b})",
@@ -415,18 +414,17 @@ def _trusted_schedule(name, given_meta, given_last, ctx, indices, slots, bounded
     return jnp.where(jnp.all(ctx[:, -1:] == given_last), given_meta, schedule(ctx))
 
 
-def _walk_known() -> bool:
-    """Whether the target's paged kernel walks a schedule as bounded_schedule models it: SM90
-    in DeepGEMM 2.5 and 2.6 (read from their sources; the emulation follows 2.5). Another
+def _walk_known(t: device.Target) -> bool:
+    """Whether the paged kernel of target `t` walks a schedule as bounded_schedule models it:
+    SM90 in DeepGEMM 2.5 and 2.6 (read from their sources; the emulation follows 2.5). Another
     DeepGEMM keeps the recomputed schedule."""
-    t = device.target()
-    return t.arch == "sm90" and (t.backend != "deep_gemm" or (2, 5) <= deep_gemm.version_tuple() <= (2, 6))
+    return t.arch == "sm90" and (2, 5) <= t.version <= (2, 6)
 
 
 # --- the call's addresses in range: jax_dg's own kernel -----------------------------------------
 
-def _sanitise_shapes(context_lens, block_tables, schedule_metadata, *, next_n, num_blocks,
-                     block_size, limit, zero_unused, one_d):
+def _sanitise_shapes(context_lens, block_tables, schedule_metadata, *, next_n, block_size, limit,
+                     zero_unused, one_d):
     b, w = block_tables.shape   # the caller (paged_arguments) checked these
     assert 0 <= limit <= min(w * block_size, contracts.MAX_PAGED_LIMIT), (limit, w, block_size)
     assert context_lens.ndim == (1 if one_d else 2)
@@ -470,6 +468,8 @@ def _sanitise_layout(names, *, one_d):
 PAGED_SANITISE = Op(
     name="paged_sanitise",
     args=("context_lens", "block_tables", "schedule_metadata"),
+    statics={"next_n": REQUIRED, "num_blocks": REQUIRED, "block_size": REQUIRED, "limit": REQUIRED,
+             "zero_unused": REQUIRED, "one_d": REQUIRED},
     shapes=_sanitise_shapes,
     native=_sanitise_outputs(native.paged_sanitise),
     reference=_sanitise_outputs(ref.paged_sanitised),
@@ -531,23 +531,22 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, *, max_mo
 # then the backend's own schedule (DeepGEMM's opaque one on SM100; the references' table
 # elsewhere). The header lets every backend clean.
 
-def _sparse_metadata_shapes(context_lens, block_table, indices, sparse_kv_block_indices, *,
-                          page_kv, qk_dtype, sparse_block_kv, size):
+def _sparse_metadata_shapes(context_lens, block_table, indices, sparse_kv_block_indices, *, size):
     return [jax.ShapeDtypeStruct((size,), jnp.uint8)]
 
 
-def _sparse_metadata_run(dg, context_lens, block_table, indices, sparse_kv_block_indices, out, *,
-                         page_kv, qk_dtype, sparse_block_kv, size):
+def _sparse_metadata_run(rt, context_lens, block_table, indices, sparse_kv_block_indices, out, *,
+                         page_kv, qk_dtype, sparse_block_kv):
     m, nmsb = sparse_kv_block_indices.shape
-    meta = dg.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
-                                                   sparse_kv_block_indices, rt.dtype(qk_dtype),
-                                                   sparse_block_kv)
+    meta = rt.dg.get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, page_kv,
+                                                      sparse_kv_block_indices, rt.dtype(qk_dtype),
+                                                      sparse_block_kv)
     rt.write_sparse_metadata(out, (context_lens, sparse_kv_block_indices), meta, m, nmsb, paged=True,
                              what="get_paged_sparse_mqa_logits_metadata")
 
 
 def _sparse_metadata_reference(context_lens, block_table, indices, sparse_kv_block_indices, *,
-                               page_kv, qk_dtype, sparse_block_kv, size):
+                               page_kv, sparse_block_kv, size):
     return ref.paged_sparse_mqa_logits_metadata(context_lens, block_table, sparse_kv_block_indices,
                                                 page_kv=page_kv, sparse_block_kv=sparse_block_kv,
                                                 size=size)
@@ -556,6 +555,7 @@ def _sparse_metadata_reference(context_lens, block_table, indices, sparse_kv_blo
 GET_PAGED_SPARSE_MQA_LOGITS_METADATA = Op(
     name="get_paged_sparse_mqa_logits_metadata",
     args=("context_lens", "block_table", "indices", "sparse_kv_block_indices"),
+    statics={"page_kv": REQUIRED, "qk_dtype": REQUIRED, "sparse_block_kv": REQUIRED, "size": REQUIRED},
     shapes=_sparse_metadata_shapes,
     run=_sparse_metadata_run,
     reference=_sparse_metadata_reference,
@@ -565,14 +565,14 @@ GET_PAGED_SPARSE_MQA_LOGITS_METADATA = Op(
 
 
 def _sparse_logits_shapes(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks,
-                        sparse_block_kv, clean_logits):
+                          sparse_block_kv):
     return [jax.ShapeDtypeStruct((q.shape[0], num_max_sparse_blocks * sparse_block_kv), jnp.bfloat16)]
 
 
-def _sparse_logits_run(dg, q, q_sf, kv_cache, weights, metadata, out, *, num_max_sparse_blocks,
+def _sparse_logits_run(rt, q, q_sf, kv_cache, weights, metadata, out, *, num_max_sparse_blocks,
                        sparse_block_kv, clean_logits):
     m, nmsb, sbk = q.shape[0], num_max_sparse_blocks, sparse_block_kv
-    logits = dg.fp8_fp4_paged_sparse_mqa_logits((q, q_sf), kv_cache, weights,
+    logits = rt.dg.fp8_fp4_paged_sparse_mqa_logits((q, q_sf), kv_cache, weights,
                                                  rt.sparse_payload(metadata, m, nmsb, paged=True),
                                                  nmsb, sbk)
     if not clean_logits:
@@ -583,7 +583,7 @@ def _sparse_logits_run(dg, q, q_sf, kv_cache, weights, metadata, out, *, num_max
 
 
 def _sparse_logits_reference(q, q_sf, kv_cache, weights, metadata, *, num_max_sparse_blocks,
-                             sparse_block_kv, clean_logits):
+                             sparse_block_kv):
     return ref.paged_sparse_mqa_logits(q, q_sf, kv_cache, weights, metadata,
                                        num_max_sparse_blocks=num_max_sparse_blocks,
                                        sparse_block_kv=sparse_block_kv)
@@ -592,6 +592,7 @@ def _sparse_logits_reference(q, q_sf, kv_cache, weights, metadata, *, num_max_sp
 PAGED_SPARSE_MQA_LOGITS = Op(
     name="fp8_fp4_paged_sparse_mqa_logits",
     args=("q", "q_sf", "kv_cache", "weights", "metadata"),
+    statics={"num_max_sparse_blocks": REQUIRED, "sparse_block_kv": REQUIRED, "clean_logits": REQUIRED},
     shapes=_sparse_logits_shapes,
     run=_sparse_logits_run,
     reference=_sparse_logits_reference,
@@ -628,8 +629,8 @@ def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, pag
     The buffer's size depends on the target's SM count (`device.target()`).
     """
     ck = Checker("get_paged_sparse_mqa_logits_metadata")
-    GET_PAGED_SPARSE_MQA_LOGITS_METADATA.gate()
     t = device.target()
+    GET_PAGED_SPARSE_MQA_LOGITS_METADATA.gate(t)
     ck.ndim(sparse_kv_block_indices, "sparse_kv_block_indices", 2, "[M, num_max_sparse_blocks]")
     ck.dtype(sparse_kv_block_indices, "sparse_kv_block_indices", I32)
     m, nmsb = sparse_kv_block_indices.shape
@@ -650,7 +651,7 @@ def get_paged_sparse_mqa_logits_metadata(context_lens, block_table, indices, pag
     qk = qk_dtype_name(ck, qk_dtype)
     size = contracts.sparse_metadata_bytes(m, nmsb, sbk, qk, t.num_sms, paged=True)
     (meta,) = GET_PAGED_SPARSE_MQA_LOGITS_METADATA(
-        context_lens.reshape(m), block_table, indices, sparse_kv_block_indices,
+        context_lens.reshape(m), block_table, indices, sparse_kv_block_indices, target=t,
         page_kv=page_kv, qk_dtype=qk, sparse_block_kv=sbk, size=size)
     return meta
 
@@ -673,8 +674,8 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
     clean_logits=False). DeepGEMM has this kernel on SM100 only.
     """
     ck = Checker("fp8_fp4_paged_sparse_mqa_logits")
-    PAGED_SPARSE_MQA_LOGITS.gate()
     t = device.target()
+    PAGED_SPARSE_MQA_LOGITS.gate(t)
     qv, q_sf = ck.pair(q, "q")
     ck.ndim(qv, "q[0]", 4, "[M, 1, H, D]")
     ck.dtype(qv, "q[0]", FP8, jnp.int8)
@@ -697,6 +698,7 @@ def fp8_fp4_paged_sparse_mqa_logits(q, kv_cache, weights, metadata, num_max_spar
               f"[bytes] from get_paged_sparse_mqa_logits_metadata (M = {m}, nmsb = {nmsb}) "
               "on this device")
     clean_logits = ck.static_bool(clean_logits, "clean_logits")
-    (out,) = PAGED_SPARSE_MQA_LOGITS(qv, q_sf, kv_cache, weights, metadata, num_max_sparse_blocks=nmsb,
-                                     sparse_block_kv=sbk, clean_logits=clean_logits)
+    (out,) = PAGED_SPARSE_MQA_LOGITS(qv, q_sf, kv_cache, weights, metadata, target=t,
+                                     num_max_sparse_blocks=nmsb, sparse_block_kv=sbk,
+                                     clean_logits=clean_logits)
     return out

@@ -20,14 +20,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.core import native, values
+from jax_dg.core import device, native, values
 from jax_dg.core.checks import Checker
-from jax_dg.core.op import Op, bcast, composed, exposes, fold_rows
+from jax_dg.core.op import REQUIRED, Op, bcast, composed, exposes, fold_rows
 from jax_dg.core.sharding import Layout, Sharding
 from jax_dg.ops import mqa, paged_mqa
 from jax_dg.reference import mqa as ref_mqa
 from jax_dg.reference import paged_mqa as ref_paged
 from jax_dg.reference import topk as ref
+
+__all__ = ["indexer_topk", "paged_indexer_topk", "topk_indices"]
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -46,7 +48,7 @@ def _check_k(ck: Checker, k) -> int:
 
 # --- topk over a logits array -----------------------------------------------------------------
 
-def _topk_shapes(logits, lo, hi, *, k, sorted):
+def _topk_shapes(logits, lo, hi, *, k):
     ck = Checker("topk_indices")
     ck.ndim(logits, "logits", 2, "[M, N]")
     ck.dtype(logits, "logits", F32)
@@ -77,6 +79,7 @@ def _topk_batch(size, batched, inputs, *, k, sorted):
 TOPK = Op(
     name="topk_rows",
     args=("logits", "lo", "hi"),
+    statics={"k": REQUIRED, "sorted": REQUIRED},
     shapes=_topk_shapes,
     native=_topk_native,
     reference=_topk_reference,
@@ -148,13 +151,12 @@ def _offset(idx, offsets):
 LOGITS = mqa.FP8_MQA_LOGITS
 
 
-def _logits_static(*, k, sorted, max_seqlen_k, stride_align, **plan) -> dict:
+def _logits_static(*, k, sorted, max_seqlen_k, **plan) -> dict:
     """The logits op's statics for the indexer's scratch: float32, left uncleaned."""
-    return dict(max_seqlen_k=max_seqlen_k, clean_logits=False, stride_align=stride_align,
-                logits_dtype="float32", **plan)
+    return dict(max_seqlen_k=max_seqlen_k, clean_logits=False, logits_dtype="float32", **plan)
 
 
-def _indexer_finish(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
+def _indexer_finish(outs, inputs, *, k, sorted, max_seqlen_k):
     (scratch,) = outs
     ks, ke, n = inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"], inputs["kv"].shape[0]
     m = inputs["q"].shape[0]
@@ -166,27 +168,27 @@ def _indexer_finish(outs, inputs, *, k, sorted, max_seqlen_k, stride_align):
     return (_offset(idx, ks),)
 
 
-def _indexer_reference(q, kv, kv_sf, weights, ks, ke, *, k, sorted, max_seqlen_k, stride_align):
+def _indexer_reference(q, kv, kv_sf, weights, ks, ke, *, k, sorted, max_seqlen_k):
     logits = ref_mqa.mqa_logits(q, kv, kv_sf, weights, ks, ke, max_seqlen_k=max_seqlen_k)
     idx = ref.topk_rows(logits, None, None, rows=logits.shape[0], cols=logits.shape[1], k=k,
                         sorted=sorted)
     return (_offset(idx, ks) if max_seqlen_k else idx,)
 
 
-def _indexer_batch(size, batched, inputs, *, k, sorted, max_seqlen_k, stride_align):
+def _indexer_batch(size, batched, inputs, *, k, sorted, max_seqlen_k):
     if batched["kv"] or batched["kv_sf"]:
         return None
     q, w, ks, ke = (bcast(inputs[n], batched[n], size)
                     for n in ("q", "weights", "cu_seqlen_ks", "cu_seqlen_ke"))
     (idx,) = INDEXER_TOPK(fold_rows(q), inputs["kv"], inputs["kv_sf"], fold_rows(w), ks.reshape(-1),
-                          ke.reshape(-1), k=k, sorted=sorted, max_seqlen_k=max_seqlen_k,
-                          stride_align=stride_align)
+                          ke.reshape(-1), k=k, sorted=sorted, max_seqlen_k=max_seqlen_k)
     return (idx.reshape(size, -1, k),)
 
 
 INDEXER_TOPK = composed(
     LOGITS,
     name="indexer_topk",
+    statics={"k": REQUIRED, "sorted": REQUIRED, "max_seqlen_k": REQUIRED},
     base_static=_logits_static,
     reference=_indexer_reference,
     own_kernels=("topk",),
@@ -208,15 +210,14 @@ def indexer_topk(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, k: int, *,
     logits are float32 (the selection kernel's input; there is no logits_dtype here).
     sorted=False: the same set in ascending key order, without the sort (see topk_indices).
     """
-    arrays, width = mqa.mqa_arguments("indexer_topk", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke,
-                                      max_seqlen_k)
+    q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, width = mqa.mqa_arguments(
+        "indexer_topk", q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
     ck = Checker("indexer_topk")
     k = _check_k(ck, k)
-    static = dict(k=k, sorted=_check_sorted(ck, sorted), max_seqlen_k=width,
-                  stride_align=mqa.stride_align("float32"))
-    call = INDEXER_TOPK.bind(*arrays, **static)
-    if 0 in arrays[0].shape[:1] or arrays[1].shape[0] == 0:
-        return jnp.full((arrays[0].shape[0], k), -1, I32)
+    call = INDEXER_TOPK.bind(q, kv, kv_sf, weights, cu_seqlen_ks, cu_seqlen_ke, k=k,
+                             sorted=_check_sorted(ck, sorted), max_seqlen_k=width)
+    if 0 in q.shape[:1] or kv.shape[0] == 0:
+        return jnp.full((q.shape[0], k), -1, I32)
     (idx,) = call()
     return idx
 
@@ -228,17 +229,18 @@ PAGED_LOGITS = paged_mqa.PAGED_MQA_LOGITS
 
 def _paged_static(*, k, sorted, max_model_len, slots, **plan) -> dict:
     """The paged logits op's statics for the decode step's scratch: float32, uncleaned."""
-    return dict(max_model_len=max_model_len, clean_logits=False, slots=slots, **plan)
+    return dict(max_model_len=max_model_len, clean_logits=False, slots=slots,
+                logits_dtype="float32", **plan)
 
 
-def _paged_finish(outs, inputs, *, k, sorted, max_model_len, slots):
+def _paged_finish(outs, inputs, *, k, sorted, max_model_len):
     lens = inputs["context_lens"].reshape(-1)
     return (native.topk(outs[0], None, lens, k=k, cols=max_model_len, sorted=sorted,
                         rows=lens.shape[0]),)
 
 
 def _paged_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                     indices, *, k, sorted, max_model_len, slots):
+                     indices, *, k, sorted, max_model_len):
     logits = ref_paged.paged_mqa_logits(q, q_sf, kv_cache, weights, context_lens, block_tables,
                                         max_model_len=max_model_len)
     return ref.topk_rows(logits, None, context_lens.reshape(-1), rows=logits.shape[0],
@@ -259,6 +261,7 @@ def _paged_batch(size, batched, inputs, *, k, sorted, max_model_len, slots):
 PAGED_INDEXER_TOPK = composed(
     PAGED_LOGITS,
     name="paged_indexer_topk",
+    statics={"k": REQUIRED, "sorted": REQUIRED, "max_model_len": REQUIRED, "slots": REQUIRED},
     base_static=_paged_static,
     reference=_paged_reference,
     own_kernels=("topk",),
@@ -279,10 +282,11 @@ def paged_indexer_topk(q, kv_cache, weights, context_lens, block_tables, k: int,
     the FP8 values or a (values, scales) pair).
     """
     q = tuple(q) if isinstance(q, (tuple, list)) else (q, None)
-    arrays, static = paged_mqa.paged_arguments("paged_indexer_topk", q, kv_cache, weights,
+    t = device.target()
+    arrays, static = paged_mqa.paged_arguments("paged_indexer_topk", t, q, kv_cache, weights,
                                                context_lens, block_tables, schedule_metadata,
                                                max_model_len, indices)
     ck = Checker("paged_indexer_topk")
     k = _check_k(ck, k)
-    (idx,) = PAGED_INDEXER_TOPK(*arrays, k=k, sorted=_check_sorted(ck, sorted), **static)
+    (idx,) = PAGED_INDEXER_TOPK(*arrays, target=t, k=k, sorted=_check_sorted(ck, sorted), **static)
     return idx

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax_dg.reference.gemm import HIGHEST, dequant
 
 
-def einsum(a, b, c, *, expr: str, out_dtype: str, use_cublaslt: bool):
+def einsum(a, b, c, *, expr: str, out_dtype: str):
     d = jnp.einsum(expr, a.astype(jnp.float32), b.astype(jnp.float32), precision=HIGHEST)
     if c is not None:
         d = d + c.astype(jnp.float32)

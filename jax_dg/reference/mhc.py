@@ -1,4 +1,5 @@
-"""Pure-JAX reference of DeepGEMM's Mega mHC (manifold-constrained hyper-connection step).
+"""Pure-JAX references of DeepGEMM's hyper-connection kernels: Mega mHC (the manifold-constrained
+hyper-connection step) and, at the end, the pre-norm GEMM.
 
 The contract, from DeepGEMM's `mega_mhc` (csrc/apis/mega_mhc.hpp, layout/mega_mhc.cuh and
 tests/test_mega_mhc.py's `mhc_reference`), hc_mult = 4 routes, 24 = 4 * (4 + 2) mixes:
@@ -23,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dg.contracts import align, cdiv
+from jax_dg.contracts import align, cdiv, hc_split_bounds
 from jax_dg.reference.quant import pack_ue8m0_to_int, per_token_cast_to_fp8
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -105,3 +106,14 @@ def mega_mhc(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
             outs.append(jnp.zeros((h // HIDDEN_PER_SF_WORD, shared_sf_num_rows(t, shared_sf_block_m)),
                                   jnp.int32).at[:, rows].set(packed.T))
     return tuple(outs)
+
+
+# --- the hyper-connection pre-norm GEMM -----------------------------------------------------------
+
+def tf32_hc_prenorm_gemm(x, fn, *, num_split):
+    xf, fn = x.astype(jnp.float32), fn.astype(jnp.float32)
+    if num_split is None:
+        return jnp.matmul(xf, fn.T, precision=HIGHEST), jnp.square(xf).sum(-1)
+    parts = [(jnp.matmul(xf[:, s:e], fn[:, s:e].T, precision=HIGHEST), jnp.square(xf[:, s:e]).sum(-1))
+             for s, e in hc_split_bounds(x.shape[1], num_split)]
+    return jnp.stack([d for d, _ in parts]), jnp.stack([q for _, q in parts])

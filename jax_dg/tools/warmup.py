@@ -35,7 +35,7 @@ import numpy as np
 from jax_dg.backends import deep_gemm
 from jax_dg.core import backend as selection
 from jax_dg.core import device, native
-from jax_dg.core import op as ops
+from jax_dg.core import registry
 from jax_dg.core.site import Site
 
 PROGRESS = ("auto", "bar", "lines", "off")
@@ -212,7 +212,7 @@ def call_sites(fn: Callable, *args, **kwargs) -> tuple[list[Variant], int]:
             continue
         site = Site.decode(str(attrs["site"]))
         op_name, static, kind = site.op, dict(site.static), _kind(site.backend)
-        names = [n for n, given in zip(ops.OPS[op_name].args, site.present) if given]
+        names = [n for n, given in zip(registry.op(op_name).args, site.present) if given]
         variants[key] = Variant(
             op=op_name, static=static, kind=kind,
             inputs={n: f"{a.dtype}[{','.join(map(str, a.shape))}]" for n, a in zip(names, ins)},

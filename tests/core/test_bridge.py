@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import jax_dg
-from jax_dg.core import bridge
-from jax_dg.core.op import Op
+from jax_dg.core import registry
+from jax_dg.runtime import bridge
+from jax_dg.core.op import REQUIRED, Op
 
 SEEN: list[tuple] = []
 
 
-def _echo_rule(*xs, scale):
+def _echo_rule(*xs):
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
 
 
@@ -38,8 +39,10 @@ def _echo_reference(*xs, scale):
                  for x in xs)
 
 
-ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), shapes=_echo_rule,
+ECHO = {n: Op(name=f"_test_echo{n}", args=tuple(f"x{i}" for i in range(n)), statics={"scale": REQUIRED},
+              shapes=_echo_rule,
               run=_echo_run, reference=_echo_reference) for n in (1, 3)}
+registry.register(*ECHO.values())
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2,
           jnp.int32, jnp.int64, jnp.uint8, jnp.int8, jnp.bool_]
@@ -137,6 +140,29 @@ def test_jax_is_imported_before_the_extension():
             "print(order.index('jax') < order.index('jax_dg.core._bridge'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_the_run_time_half_and_torch_load_at_the_first_deep_gemm_call():
+    # import jax_dg, tracing, the xla backend and jax_dg's own (C++) kernels import no torch;
+    # the bridge's handler imports the run-time half (and torch) when it first runs
+    code = """
+import sys, jax, jax.numpy as jnp
+import jax_dg
+q = jnp.zeros((64, 32, 64), jnp.float8_e4m3fn)
+kv = (jnp.zeros((256, 64), jnp.float8_e4m3fn), jnp.ones((256,), jnp.float32))
+ks, ke = jax_dg.causal_ks_ke(64, 256)
+args = (q, kv, jnp.ones((64, 32)), ks, ke)
+jax.jit(jax_dg.mqa_logits).lower(*args)                      # traced for the torch emulation
+with jax_dg.use_backend("xla"):
+    want = jax.jit(jax_dg.mqa_logits)(*args)
+jax_dg.topk_indices(jnp.ones((4, 16)), 2).block_until_ready()
+before = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("jax_dg.runtime"))
+got = jax.jit(jax_dg.mqa_logits)(*args)
+assert (got == want).all()
+print(before, "torch" in sys.modules, "jax_dg.runtime.bridge" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["[]", "True", "True"], out.stderr[-3000:]
 
 
 def test_xla_backend_traces_the_reference_without_custom_call(keys):

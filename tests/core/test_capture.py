@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.core import bridge, device, native, runtime
-from jax_dg.core.op import OPS, Op
+from jax_dg.core import device, native, registry
+from jax_dg.runtime import bridge, guards, run
+from jax_dg.core.op import Op
 from tests.conftest import same_bits, trace_for_gpu
 
 GRAPH_SAFE = ["fp8_gemm_nt", "bf16_gemm_nt", "bf16_gemm_nn", "bf16_gemm_tn", "bf16_gemm_tt",
               "cublaslt_gemm_nt", "cublaslt_gemm_nn", "cublaslt_gemm_tn", "cublaslt_gemm_tt",
               "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
               "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
-              # their allocations land in XLA's buffers (jax_dg.core.landing)
+              # their allocations land in XLA's buffers (jax_dg.runtime.landing)
               "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata",
               "indexer_topk", "paged_indexer_topk"]
 
@@ -32,7 +33,7 @@ def fp8_case(m=128, n=256, k=256, seed=0):
 
 
 def test_the_declaration_is_in_the_records():
-    ops = OPS
+    ops = registry.ops()
     assert sorted(n for n, op in ops.items() if op.graph_safe and not n.startswith("_")) == sorted(GRAPH_SAFE)
     for name in ("k_grouped_fp8_gemm_nt_contiguous", "einsum", "fp8_gemm_tn"):
         assert not ops[name].graph_safe   # they allocate (outputs, workspaces, re-packed scales)
@@ -89,7 +90,7 @@ def test_per_token_scales_reach_the_kernel_mn_major_and_tma_aligned():
         assert shape == (m, 2) and stride == (1, am)
         np.testing.assert_array_equal(sf.numpy(), np.asarray(a[1]))
     phys = torch.arange(3 * 2 * 8, dtype=torch.float32).view(3, 2, 8)
-    v = runtime.mn_major_view(phys, 5)
+    v = run.mn_major_view(phys, 5)
     assert tuple(v.shape) == (3, 5, 2) and v.stride() == (16, 1, 8) and v.data_ptr() == phys.data_ptr()
 
 
@@ -98,20 +99,22 @@ SPY = {"alloc": False}
 
 def _alloc_run(dg, x, out):
     if SPY["alloc"]:
-        runtime._fake_allocations[0] += 1
+        guards._fake_allocations[0] += 1
     out.copy_(x)
 
 
-ALLOC_OP = Op(name="_test_graph_echo", args=("x",), shapes=lambda x: [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+ALLOC_OP = Op(name="_test_graph_echo", args=("x",), statics={},
+              shapes=lambda x: [jax.ShapeDtypeStruct(x.shape, x.dtype)],
               run=_alloc_run, reference=lambda x: x, graph_safe=frozenset({"torch"}))
+registry.register(ALLOC_OP)
 
 
 @pytest.fixture
 def fake_capture(monkeypatch):
     """Every call 'runs under stream capture', and allocations are counted by _alloc_run."""
-    runtime._fake_allocations = [0]
-    monkeypatch.setattr(runtime, "is_capturing", lambda platform: True)
-    monkeypatch.setattr(runtime, "allocations", lambda platform: runtime._fake_allocations[0])
+    guards._fake_allocations = [0]
+    monkeypatch.setattr(guards, "is_capturing", lambda platform: True)
+    monkeypatch.setattr(guards, "allocations", lambda platform: guards._fake_allocations[0])
     bridge.clear_caches()
     yield
     SPY["alloc"] = False
@@ -122,9 +125,9 @@ def test_an_allocation_under_capture_is_an_error_naming_the_op(fake_capture):
     x = jnp.arange(8, dtype=jnp.float32)
     f = jax.jit(lambda x: ALLOC_OP(x)[0])
     assert "jax_dg__test_graph_echo_graph" in f.lower(x).as_text()
-    before = runtime.CAPTURE_STATS["captured"]
+    before = guards.CAPTURE_STATS["captured"]
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))
-    assert runtime.CAPTURE_STATS["captured"] == before + 1
+    assert guards.CAPTURE_STATS["captured"] == before + 1
     SPY["alloc"] = True
     with pytest.raises(Exception, match=re.escape("`_test_graph_echo` allocated torch memory while "
                                                   "XLA captured it into a CUDA graph")):
@@ -135,11 +138,11 @@ def test_an_allocation_under_capture_is_an_error_naming_the_op(fake_capture):
 
 def test_outside_capture_the_guard_only_counts():
     x = jnp.arange(4, dtype=jnp.float32)
-    before = dict(runtime.CAPTURE_STATS)
+    before = dict(guards.CAPTURE_STATS)
     calls = bridge.call_count()
     jax.block_until_ready(jax.jit(lambda x: ALLOC_OP(x)[0])(x))
-    assert runtime.CAPTURE_STATS["eager"] == before["eager"] + 1
-    assert runtime.CAPTURE_STATS["captured"] == before["captured"]
+    assert guards.CAPTURE_STATS["eager"] == before["eager"] + 1
+    assert guards.CAPTURE_STATS["captured"] == before["captured"]
     assert bridge.call_count() == calls + 1
 
 
@@ -244,15 +247,15 @@ def test_gpu_captured_replays_equal_eager_and_call_no_python(case):
     eager = jax.jit(fn)                                  # one command: below the graph minimum
     want = [jax.block_until_ready(eager(*x)) for x in inputs]
     step = jax.jit(lambda xs: [fn(*x) for x in xs])
-    before = dict(runtime.CAPTURE_STATS)
+    before = dict(guards.CAPTURE_STATS)
     calls = handler_calls()
     first = jax.block_until_ready(step(inputs))          # compiles, then records the graph
     second = jax.block_until_ready(step(inputs))
     print(f"{name}: handler calls in executions 1+2: {handler_calls() - calls}, "
-          f"captured {runtime.CAPTURE_STATS['captured'] - before['captured']}, "
-          f"eager {runtime.CAPTURE_STATS['eager'] - before['eager']}")
+          f"captured {guards.CAPTURE_STATS['captured'] - before['captured']}, "
+          f"eager {guards.CAPTURE_STATS['eager'] - before['eager']}")
     if not name.startswith("topk"):   # jax_dg's own kernel has no Python entry to count captures by
-        assert runtime.CAPTURE_STATS["captured"] > before["captured"], f"{name}: never captured"
+        assert guards.CAPTURE_STATS["captured"] > before["captured"], f"{name}: never captured"
     # XLA re-records a traced command when one of its buffers moves; results kept alive make it
     # allocate new ones. Freeing the last results first hands the same addresses back.
     again = None
@@ -320,12 +323,12 @@ def test_gpu_decode_step_loop_is_captured_whole():
 
     loop = jax.jit(lambda lens: jax.lax.fori_loop(0, steps, step, (lens, jnp.zeros((), jnp.int32)))[1])
     lens = jnp.full((b,), ctx, jnp.int32)
-    captured = runtime.CAPTURE_STATS["captured"]
+    captured = guards.CAPTURE_STATS["captured"]
     want = None
     for _ in range(3):    # compile, record, settle buffer addresses
         want = None
         want = int(loop(lens))
-    captured = runtime.CAPTURE_STATS["captured"] - captured   # while recording this loop
+    captured = guards.CAPTURE_STATS["captured"] - captured   # while recording this loop
     calls = handler_calls()
     got = None
     for _ in range(5):
@@ -346,13 +349,13 @@ def test_gpu_deep_gemm_allocates_nothing_with_jax_dgs_scale_layout():
     from tests.conftest import to_torch
     a, b = fp8_case(m=64, n=2112, k=7168)
     phys = jax_dg.get_mn_major_tma_aligned_tensor(a[1])
-    sfa = runtime.mn_major_view(to_torch(phys), 64)
+    sfa = run.mn_major_view(to_torch(phys), 64)
     ta, tb = (to_torch(a[0]), sfa), (to_torch(b[0]), to_torch(b[1]))
     d = torch.empty((64, 2112), dtype=torch.bfloat16, device="cuda")
     deep_gemm.fp8_gemm_nt(ta, tb, d)                       # compile first
     torch.cuda.synchronize()
-    before = runtime.allocations("cuda")
+    before = guards.allocations("cuda")
     deep_gemm.fp8_gemm_nt(ta, tb, d)
-    assert runtime.allocations("cuda") == before
+    assert guards.allocations("cuda") == before
     deep_gemm.fp8_gemm_nt((ta[0], to_torch(a[1])), tb, d)  # row-major scales: DeepGEMM allocates
-    assert runtime.allocations("cuda") > before
+    assert guards.allocations("cuda") > before

@@ -1,7 +1,7 @@
-"""Landing (jax_dg.core.landing): DeepGEMM's own logits allocation placed in XLA's result buffer.
+"""Landing (jax_dg.runtime.landing): DeepGEMM's own logits allocation placed in XLA's result buffer.
 
-CPU: the torch emulation allocates the way DeepGEMM does (one padded buffer per call), through
-the same protocol; the C++ allocator functions torch's MemPool calls on CUDA are exercised
+CPU: the torch emulation allocates the way DeepGEMM does (one padded buffer per call) and
+implements the landing interface itself (its `land_into`); the C++ allocator functions torch's MemPool calls on CUDA are exercised
 directly. GPU: pointers, no reuse across calls, the pool's release (tests/ops/test_mqa.py).
 """
 
@@ -20,7 +20,8 @@ import torch
 import jax_dg
 from jax_dg import contracts
 from jax_dg.backends.torch_emu import device as ref_device
-from jax_dg.core import _bridge, landing
+from jax_dg.core import _bridge
+from jax_dg.runtime import landing
 from tests.conftest import check_released
 
 F32 = torch.float32
@@ -35,10 +36,21 @@ def reference_call(rows: int, stride: int, logical: tuple[int, int], value: floa
     return make
 
 
+def land(out, make, lands=True):
+    """The emulation's landing: what a CPU call site lands through (landing.lands_into)."""
+    landing.land(out, make, lands, ref_device.land_into)
+
+
+def test_the_landing_is_the_pool_on_cuda_and_the_kernels_own_elsewhere():
+    from jax_dg.backends import torch_emu
+    assert landing.lands_into("cuda", torch_emu) is landing.into_cuda_pool
+    assert landing.lands_into("cpu", torch_emu) is torch_emu.land_into is ref_device.land_into
+
+
 def test_lands_in_the_buffer_and_disarms():
     out = torch.zeros(4, 8)
     before = dict(landing.STATS)
-    landing.land(out, reference_call(4, 8, (3, 5)))
+    land(out, reference_call(4, 8, (3, 5)))
     assert landing.STATS["landed"] == before["landed"] + 1
     assert torch.all(out[:3, :5] == 1)
     assert torch.isnan(out[3]).all() and torch.isnan(out[:, 5:]).all()   # DeepGEMM's slack
@@ -48,7 +60,7 @@ def test_lands_in_the_buffer_and_disarms():
 def test_what_the_trace_decided_not_to_land_is_copied():
     out = torch.zeros(4, 8)
     before = dict(landing.STATS)
-    landing.land(out, reference_call(4, 8, (3, 5), 4.0), lands=False)
+    land(out, reference_call(4, 8, (3, 5), 4.0), lands=False)
     assert landing.STATS["copied"] == before["copied"] + 1
     assert torch.all(out[:3, :5] == 4)
     assert contracts.lands(1, False) and contracts.lands(4, True)
@@ -59,7 +71,7 @@ def test_what_the_trace_decided_not_to_land_is_copied():
 def test_a_larger_allocation_falls_back_to_a_copy():
     out = torch.zeros(4, 8)
     before = dict(landing.STATS)
-    landing.land(out, reference_call(5, 8, (3, 5), 2.0))
+    land(out, reference_call(5, 8, (3, 5), 2.0))
     assert landing.STATS["copied"] == before["copied"] + 1
     assert torch.all(out[:3, :5] == 2)
     assert ref_device.arm_landing(None) is None
@@ -69,7 +81,7 @@ def test_another_layout_is_copied_into_the_declared_one():
     out = torch.zeros(4, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        landing.land(out, reference_call(4, 6, (3, 5), 3.0))   # stride 6, not 8
+        land(out, reference_call(4, 6, (3, 5), 3.0))   # stride 6, not 8
     assert torch.all(out[:3, :5] == 3)
     assert any("row stride" in str(w.message) for w in caught) or "layout" in landing._warned
 
@@ -80,7 +92,7 @@ def test_an_error_in_the_call_disarms():
     def fails():
         raise RuntimeError("kernel refused")
     with pytest.raises(RuntimeError, match="kernel refused"):
-        landing.land(out, fails)
+        land(out, fails)
     assert ref_device.arm_landing(None) is None
 
 
@@ -185,7 +197,7 @@ def test_gpu_torch_asks_for_the_predicted_segment_and_releases_it(rows):
     before, stats = landing.counts(), dict(landing.STATS)
     for _ in range(3):
         landing.land(out, lambda: torch.zeros((rows, stride), device="cuda")[:rows - 1, :1000],
-                     contracts.lands(rows, True))
+                     contracts.lands(rows, True), landing.into_cuda_pool)
     now = landing.counts()
     assert _bridge.landing_last_request() == contracts.torch_segment_bytes(rows * stride * 4)
     assert now["landed"] - before["landed"] == 3, "the allocation did not land"

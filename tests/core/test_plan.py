@@ -4,6 +4,7 @@ the bridge as one versioned call-site record; one resolver says what runs."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_dg
-from jax_dg.core import dispatch, device
+from jax_dg.core import dispatch, device, registry
 from jax_dg.core import op as ops
 from jax_dg.core.site import Site, SiteError
 from jax_dg.ops import mqa, topk
@@ -22,10 +23,11 @@ FP8 = jnp.float8_e4m3fn
 
 @contextlib.contextmanager
 def counting(op, *fields):
-    """Counts calls of the record's `fields` (shapes, plan) while the block runs."""
+    """Counts calls of the record's `fields` (the shape rule, ...) while the block runs."""
     counts, saved = {f: 0 for f in fields}, {f: getattr(op, f) for f in fields}
 
     def wrap(field, fn):
+        @functools.wraps(fn)   # the statics it names are fn's
         def counted(*args, **kwargs):
             counts[field] += 1
             return fn(*args, **kwargs)
@@ -49,42 +51,66 @@ def mqa_inputs(m=64, n=256, h=32, d=64):
     return q, kv, w, ks, ke
 
 
+@contextlib.contextmanager
+def counting_targets(monkeypatch):
+    """Counts the trace targets computed (jax_dg.core.device.target) while the block runs."""
+    n, real = [0], device.target
+
+    def target():
+        n[0] += 1
+        return real()
+    monkeypatch.setattr(device, "target", target)
+    yield n
+
+
 @pytest.mark.parametrize("clean", [True, False])
-def test_mqa_logits_is_shaped_and_planned_once_per_traced_call(clean):
+def test_mqa_logits_is_shaped_and_planned_once_per_traced_call_for_one_target(clean, monkeypatch):
     args = mqa_inputs()
-    with counting(mqa.FP8_MQA_LOGITS, "shapes", "plan") as n:
+    with counting(mqa.FP8_MQA_LOGITS, "shapes") as n, counting_targets(monkeypatch) as targets:
         jax.jit(lambda *a: jax_dg.mqa_logits(*a, clean_logits=clean)).trace(*args)
-    assert n == {"shapes": 1, "plan": 1}
+    assert n == {"shapes": 1} and targets == [1]
 
 
-def test_the_compressed_form_and_the_indexer_are_shaped_once():
+def test_the_compressed_form_and_the_indexer_are_shaped_once(monkeypatch):
     args = mqa_inputs()
-    with counting(mqa.FP8_MQA_LOGITS, "shapes", "plan") as n:
+    with counting(mqa.FP8_MQA_LOGITS, "shapes") as n, counting_targets(monkeypatch) as targets:
         jax.jit(lambda *a: jax_dg.mqa_logits(*a, max_seqlen_k=64)).trace(*args)
-    assert n == {"shapes": 1, "plan": 1}
-    with counting(topk.INDEXER_TOPK, "shapes", "plan") as n, \
-            counting(mqa.FP8_MQA_LOGITS, "shapes", "plan") as inner:
+    assert n == {"shapes": 1} and targets == [1]
+    with counting(topk.INDEXER_TOPK, "shapes") as n, \
+            counting(mqa.FP8_MQA_LOGITS, "shapes") as inner, counting_targets(monkeypatch) as targets:
         jax.jit(lambda *a: jax_dg.indexer_topk(*a, 16)).trace(*args)
-    assert n == {"shapes": 1, "plan": 1}
-    assert inner == {"shapes": 1, "plan": 1}   # the composed op reuses the logits record once
+    assert n == {"shapes": 1} and targets == [1]
+    assert inner == {"shapes": 1}   # the composed op reuses the logits record once
 
 
-def test_a_native_op_is_shaped_once_and_has_no_plan():
+def test_the_paged_call_decides_for_one_target(monkeypatch):
+    from tests.ops.test_paged_mqa import make_case
+    q, cache, w, lens, table = make_case([300, 40], 1, 32, 64, 64, two_d=False)
+    with counting_targets(monkeypatch) as targets:
+        jax.jit(lambda *a: jax_dg.paged_mqa_logits(*a)).trace(q, cache, w, lens, table)
+    assert targets == [1]   # the public function's checks, the sanitising and the logits call
+
+
+def test_a_native_op_is_shaped_once_and_has_no_run_function():
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 100))
     with counting(topk.TOPK, "shapes") as n:
         jax.jit(lambda x: jax_dg.topk_indices(x, 5)).trace(x)
     assert n == {"shapes": 1}
-    assert topk.TOPK.plan is None and topk.TOPK.run is None
+    assert topk.TOPK.run is None
 
 
-def test_a_gemm_is_shaped_once():
+def test_a_gemm_is_shaped_once_and_plans_its_scale_layouts():
     k = jax.random.split(jax.random.PRNGKey(2), 2)
     a = jax_dg.per_token_cast_to_fp8(jax.random.normal(k[0], (64, 256)).astype(jnp.bfloat16))
     b = jax_dg.per_block_cast_to_fp8(jax.random.normal(k[1], (128, 256)).astype(jnp.bfloat16))
     gemm = jax_dg.ops.gemm.FP8_GEMM["nt"]
     with counting(gemm, "shapes") as n:
-        jax.jit(lambda a, b: jax_dg.fp8_gemm_nt(a, b)).trace(a, b)   # a fresh function: no cached trace
+        jaxpr = jax.make_jaxpr(lambda a, b: jax_dg.fp8_gemm_nt(a, b))(a, b)
     assert n == {"shapes": 1}
+    (eqn,) = ffi_eqns(jaxpr.jaxpr)
+    site = Site.decode(str(dict(eqn.params["attributes"])["site"]))
+    # the run function's statics and the rule's plan, nothing it does not name (out_dtype)
+    assert site.static == {"recipe": (1, 128, 128), "compiled_dims": None, "mn_major": (True, False)}
 
 
 # --- the call-site record ----------------------------------------------------------------------
@@ -133,7 +159,7 @@ def test_the_traced_call_carries_its_plan_in_the_record():
 def test_one_resolver_for_the_call_info_and_warm_up():
     from jax_dg import __main__ as cli
     t = device.target()
-    for op in ops.OPS.values():
+    for op in registry.ops().values():
         if op.name.startswith("_"):
             continue
         how = dispatch.resolve(op, (), t)
@@ -160,16 +186,16 @@ def test_the_resolver_names_what_runs():
 
 
 def test_every_target_is_exportable():
-    names = set(ops.targets())
+    names = set(registry.targets())
     assert {"jax_dg_fp8_gemm_nt", "jax_dg_fp8_gemm_nt_graph", "jax_dg_native_topk",
             "jax_dg_native_neg_inf_outside"} <= names
     assert len(jax_dg.export_safety_checks()) == len(names)
-    np.testing.assert_equal(sorted(names), ops.targets())
+    np.testing.assert_equal(sorted(names), registry.targets())
 
 
 # --- the statics: one declared record ------------------------------------------------------------
 
-def _scaled_shapes(x, *, scale, offset=0.0):
+def _scaled_shapes(x):
     return [jax.ShapeDtypeStruct(x.shape, x.dtype)]
 
 
@@ -177,13 +203,14 @@ def _scaled_run(dg, x, out, *, scale):        # names only what it uses
     out.copy_(x * scale)
 
 
-SCALED = ops.Op(name="_test_scaled", args=("x",), shapes=_scaled_shapes, run=_scaled_run,
-                reference=lambda x, *, scale: (x * scale,),
+SCALED = ops.Op(name="_test_scaled", args=("x",), statics={"scale": ops.REQUIRED, "offset": 0.0},
+                shapes=_scaled_shapes, run=_scaled_run, reference=lambda x, *, scale: (x * scale,),
                 finish=lambda outs, inputs, *, offset: (outs[0] + offset,))
+registry.register(SCALED)
 
 
 def test_a_static_is_declared_once_and_reaches_only_the_functions_that_name_it():
-    # `offset` is declared by the shape function alone and read by `finish` alone: the run
+    # `offset` is declared by the record and read by `finish` alone: the shape rule, the run
     # function and the reference never list it
     assert SCALED.statics == {"scale": ops.REQUIRED, "offset": 0.0}
     x = jnp.arange(4.0)
@@ -214,3 +241,43 @@ def test_without_jax_dgs_cuda_kernels_a_gpu_call_says_why_after_the_other_reason
     how = dispatch.resolve(mqa.FP8_MQA_LOGITS, (), device.Target("deep_gemm", "cuda", "sm80", 108), "auto")
     assert isinstance(how.error, jax_dg.UnsupportedArchError)   # the reason that holds built too
     assert dispatch.resolve(mqa.FP8_MQA_LOGITS, (), sm90, requested="xla").runs == "xla"
+
+
+# --- one registry ----------------------------------------------------------------------------------
+
+def test_declaring_an_op_registers_nothing_and_an_unregistered_call_says_so():
+    op = ops.Op(name="_test_unregistered", args=("x",), statics={"scale": ops.REQUIRED},
+                shapes=_scaled_shapes, run=_scaled_run, reference=lambda x, *, scale: (x * scale,))
+    assert "_test_unregistered" not in registry.ops()
+    assert "jax_dg__test_unregistered" not in registry.targets()
+    with pytest.raises(RuntimeError, match="`_test_unregistered` is not registered"):
+        jax.jit(lambda x: op(x, scale=2.0)).lower(jnp.arange(4.0))
+    registry.register(op)
+    assert registry.op("_test_unregistered") is op and "jax_dg__test_unregistered" in registry.targets()
+    registry.register(op)   # again: nothing changes
+    with pytest.raises(ValueError, match="two ops are named"):
+        registry.register(ops.Op(name="_test_unregistered", args=("x",), statics={},
+                                 shapes=_scaled_shapes, run=_scaled_run, reference=lambda x: (x,)))
+
+
+def test_what_the_registry_derives():
+    # every op a public function exposes is registered, and every registered public function
+    # is one of jax_dg's names
+    # (jax_dg.interop, torch's, is loaded on first use)
+    assert set(registry.public()) == (set(jax_dg.__all__) - {"interop"}) | {
+        f"paged.{n}" for n in jax_dg.paged.__all__}
+    exposed = {op.name for fn in registry.functions().values() for op in getattr(fn, "__jax_dg_ops__", ())}
+    assert exposed == {n for n in registry.ops() if not n.startswith("_")}
+    # a family's public functions are its module's __all__, which jax_dg exports: an exposed
+    # function left out of it would be an op no user reaches
+    import importlib
+    import pkgutil
+    for info in pkgutil.iter_modules(jax_dg.ops.__path__):
+        module = importlib.import_module(f"jax_dg.ops.{info.name}")
+        marked = {n for n, v in vars(module).items() if hasattr(v, "__jax_dg_ops__")
+                  and getattr(v, "__module__", None) == module.__name__ and not n.startswith("_")}
+        assert marked <= set(module.__all__) <= set(jax_dg.__all__), info.name
+    # the differentiable functions: ops with a reverse-mode rule, and the layers marked so
+    assert registry.differentiable() == sorted(
+        [f"{family}_{s}" for family in ("bf16_gemm", "cublaslt_gemm") for s in ("nt", "nn", "tn", "tt")]
+        + ["fp8_linear", "fp8_grouped_linear"])

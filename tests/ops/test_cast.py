@@ -1,5 +1,5 @@
 """jax_dg's fused FP8 casts (jax_dg.ops.cast, kernels/cast_fp8.cu and its C++ twin) are bitwise
-the separate quantisers they replace: jax_dg.operands.quant's (bitwise DeepGEMM's) with the
+the separate quantisers they replace: jax_dg.operands.quant's formulas (bitwise DeepGEMM's) with the
 MN-major layout and the transposes in XLA, and the op's pure-JAX reference; and bitwise
 DeepGEMM's own torch quantisers on the GPU."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import jax_dg
 from jax_dg.core import native
-from jax_dg.operands import quant as product
+from jax_dg.ops import cast as product   # the quantisers
 from jax_dg.operands.scales import MNMajor, mn_major_physical
 from jax_dg.ops.cast import CAST_FP8, cast_blocks, cast_tokens
 from tests.conftest import digest, run

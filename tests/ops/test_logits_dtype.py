@@ -16,7 +16,7 @@ import pytest
 import jax_dg
 from jax_dg import contracts
 from jax_dg.backends import deep_gemm as dgb
-from jax_dg.core import landing
+from jax_dg.runtime import landing
 from tests.conftest import run, same_bits, to_torch
 from tests.ops.test_mqa import make_inputs, valid_of, varied_ranges
 from tests.ops.test_paged_mqa import lens_2d, make_case
@@ -80,21 +80,33 @@ def test_layout_follows_the_element_size():
     assert contracts.paged_logits_layout(8, 4100, 512) == (8, 4608)
     assert contracts.paged_logits_layout(8, 4100) == contracts.paged_logits_layout(8, 4100, 256) == (8, 4352)
     # the declared buffer: bytes and landing rows from the dtype
+    from jax_dg.core import device
     from jax_dg.ops import mqa
-    buf = mqa.logits_buffer(2048, 8448, "bfloat16")
+    buf = mqa.logits_buffer(device.Target("torch", "cpu", "sm90", 132), 2048, 8448, "bfloat16")
     assert buf.dtype == BF16 and buf.shape == (2048, 8448)
 
 
 def test_mqa_layout_of_a_newer_deep_gemm_is_declared(monkeypatch):
-    """With DeepGEMM >= 2.6 as the traced backend the bfloat16 rows are 512-element aligned."""
+    """With DeepGEMM >= 2.6 as the traced backend the bfloat16 rows are 512-element aligned:
+    the target carries the installed DeepGEMM's version, the shape rule reads it."""
     from jax_dg.core import device
     from jax_dg.ops import mqa
     monkeypatch.setattr(dgb, "version", lambda: "2.8.2")
-    monkeypatch.setattr(device, "target", lambda: types.SimpleNamespace(
-        backend="deep_gemm", platform="cpu", arch="sm90", num_sms=132))
-    assert mqa.stride_align("bfloat16") == 512 and mqa.stride_align("float32") == 256
-    monkeypatch.setattr(dgb, "version", lambda: "2.5.0")
-    assert mqa.stride_align("bfloat16") == 64
+    monkeypatch.setattr(dgb, "module", lambda: types.SimpleNamespace(get_num_sms=lambda: 132))
+    monkeypatch.setattr(device, "platform", lambda: "cuda")
+    monkeypatch.setattr(device, "family", lambda: "sm90")
+    assert device.target().version == (2, 8)
+    avals = (jax.ShapeDtypeStruct((64, 64, 128), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((700, 128), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((700,), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32),
+             jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.int32))
+
+    def stride(version, dtype):
+        t = device.Target("deep_gemm", "cpu", "sm90", 132, version)
+        static = mqa.FP8_MQA_LOGITS.complete(dict(max_seqlen_k=0, clean_logits=True, logits_dtype=dtype))
+        return mqa.FP8_MQA_LOGITS.shape(avals, static, t).types[0].shape[1]
+    assert stride((2, 8), "bfloat16") == 1024 and stride((2, 8), "float32") == 1024
+    assert stride((2, 5), "bfloat16") == 960 and stride((2, 5), "float32") == 960
 
 
 def test_topk_takes_bf16_logits(keys):

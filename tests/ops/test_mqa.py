@@ -333,7 +333,7 @@ def test_sparse_kernels_are_sm100_only(monkeypatch):
     monkeypatch.setattr(device, "target", lambda: device.Target("deep_gemm", "cuda", "sm90", 132))
     for op in (mqa.FP8_FP4_SPARSE_MQA_LOGITS, mqa.GET_SPARSE_MQA_LOGITS_METADATA):
         with pytest.raises(jax_dg.UnsupportedArchError, match="only on sm100.*JAX_DG_BACKEND=torch"):
-            op.gate()
+            op.gate(device.target())
 
 
 @pytest.mark.parametrize("case,arg", [
@@ -514,15 +514,16 @@ def test_gpu_deep_gemm_writes_every_valid_logit(keys, s, sk, ranges):
     # the same size (the data_ptr check makes sure), so a position it never writes stays NaN.
     import deep_gemm
     import torch
-    from jax_dg.ops.mqa import stride_align
     from jax_dg import contracts
+    from jax_dg.core import device
     if ranges == "causal":
         q, kv, w, ks, ke = gpu_inputs(keys, s, sk, 64, 128)
     else:
         q, kv, w = make_inputs(keys, s, sk, 64, 128)
         ks, ke = varied_ranges(keys, s, sk)
     tq, tkv, tw, tks, tke = torch_inputs(q, kv, w, ks, ke)
-    rows, stride = contracts.mqa_logits_layout(s, 64, sk, 0, stride_align())
+    stride_align = contracts.logits_stride_align(device.target().version, "float32")
+    rows, stride = contracts.mqa_logits_layout(s, 64, sk, 0, stride_align)
     for _ in range(2):   # the first call compiles (its allocations may differ)
         torch.cuda.synchronize()
         sentinel = torch.full((rows, stride), float("nan"), device="cuda")

@@ -333,12 +333,12 @@ def test_metadata_forms_and_slot_rules():
 
 
 def test_target_and_num_sms_override(monkeypatch):
-    from jax_dg.backends.torch_emu import device as tr
+    from jax_dg.backends import emulated   # torch_emu's set_num_sms / get_num_sms
     if on_deep_gemm():
         pytest.skip("the emulated target's defaults (a machine without a GPU)")
     t = device.target()
     assert (t.backend, t.platform, t.arch, t.num_sms) == ("torch", "cpu", "sm90", 132)
-    monkeypatch.setattr(tr, "_num_sms", 16)
+    monkeypatch.setattr(emulated, "_num_sms", 16)
     assert device.target().num_sms == 16
     lens = jnp.array([[300], [9]], jnp.int32)
     meta = jax_dg.get_paged_mqa_logits_metadata(lens, 64)
@@ -416,7 +416,8 @@ def test_more_rows_a_request_than_a_sanitising_cta_has_threads(monkeypatch):
     bad[0, 2] = -1                       # request 0's context ends at token 128
 
     def prepared(lens, table):
-        arrays, _ = ops.paged_arguments("t", (q, None), cache, w, lens, table, None, 320, None)
+        arrays, _ = ops.paged_arguments("t", device.target(), (q, None), cache, w, lens, table,
+                                        None, 320, None)
         return arrays[4], arrays[5]       # the lengths and the table the kernel would read
     args = (lens, jnp.asarray(bad))
     assert native.TARGETS["paged_sanitise"] in jax.jit(prepared).lower(*args).as_text()

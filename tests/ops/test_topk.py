@@ -290,7 +290,7 @@ def test_gpu_rows_past_one_persistent_grid_equal_the_cpu_twin(keys, n):
 def test_gpu_indexer_topk_matches_deep_gemm_and_torch_topk(keys, s, sk):
     import deep_gemm
     import torch
-    from jax_dg.core import landing
+    from jax_dg.runtime import landing
     q, kv, w, ks, ke = gpu_inputs(keys, s, sk, 64, 128)
     before = digest(q, kv, w, ks, ke)
     f = jax.jit(lambda *a: jax_dg.indexer_topk(*a, 2048))

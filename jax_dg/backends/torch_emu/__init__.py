@@ -13,4 +13,3 @@ from jax_dg.backends.torch_emu.moe_gate import *  # noqa: F401,F403
 from jax_dg.backends.torch_emu.mhc import *  # noqa: F401,F403
 from jax_dg.backends.torch_emu.grouped import *  # noqa: F401,F403
 from jax_dg.backends.torch_emu.einsum import *  # noqa: F401,F403
-from jax_dg.backends.torch_emu.hyperconnection import *  # noqa: F401,F403

@@ -1,43 +1,29 @@
-"""The device the torch emulation emulates: DeepGEMM's `get_num_sms` / `set_num_sms`.
-
-Its SM count is the CUDA device's when torch sees one, else contracts.DEFAULT_NUM_SMS (an
-H200), unless set: the schedule metadata and the paged logits check it as DeepGEMM does.
+"""The device the torch emulation emulates: DeepGEMM's `get_num_sms` / `set_num_sms`
+(jax_dg.backends.emulated's count: the schedule metadata and the paged logits check it as
+DeepGEMM does), and where its one output allocation lands (jax_dg's landing interface).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from typing import Callable
 
 import torch
 
-from jax_dg import contracts
+from jax_dg.backends.emulated import get_num_sms, set_num_sms
 
-__all__ = ["get_num_sms", "set_num_sms"]   # DeepGEMM's API; arm_landing / padded_empty are jax_dg's
-
-_num_sms: int | None = None
-
-
-def set_num_sms(num_sms: int | None) -> None:
-    """Overrides the emulated SM count (None: back to the default)."""
-    global _num_sms
-    _num_sms = None if num_sms is None else int(num_sms)
-
-
-def get_num_sms() -> int:
-    if _num_sms is not None:
-        return _num_sms
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return contracts.DEFAULT_NUM_SMS
+# DeepGEMM's API, and jax_dg's landing interface (arm_landing / padded_empty are the emulation's own)
+__all__ = ["get_num_sms", "set_num_sms", "land_into"]
 
 
 # --- the one allocation of a logits call, landing in a given buffer ---------------------------
 #
 # DeepGEMM's logits calls allocate their padded output themselves; on CUDA jax_dg routes that
-# allocation into XLA's result buffer with a torch MemPool (jax_dg.core.landing). The reference
-# makes its one allocation here, so the same protocol runs on CPU: a buffer armed for the
-# current thread is used once if it is large enough, else the reference allocates as usual.
+# allocation into XLA's result buffer with a torch MemPool (jax_dg.runtime.landing). The
+# emulation makes its one allocation here and implements the landing itself (`land_into`, for
+# the platforms without that pool: the CPU): a buffer armed for the current thread is used once
+# if it is large enough, else the emulation allocates as usual.
 
 _landing = threading.local()
 
@@ -74,3 +60,13 @@ def allocated(value: torch.Tensor) -> torch.Tensor:
     output the reference computes whole, e.g. the schedule metadata."""
     out = _armed_view(tuple(value.shape), value.dtype, value.device)
     return value if out is None else out.copy_(value)
+
+
+def land_into(out: torch.Tensor, make: Callable[[], torch.Tensor]):
+    """jax_dg's landing interface (jax_dg.runtime.landing): runs `make`, whose one allocation
+    takes `out`'s memory where it fits; (its result, nothing to keep alive)."""
+    arm_landing(out)
+    try:
+        return make(), None
+    finally:
+        arm_landing(None)

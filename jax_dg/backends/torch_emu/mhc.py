@@ -1,4 +1,5 @@
-"""Torch emulation of DeepGEMM's `mega_mhc` (same signature; writes the caller's outputs).
+"""Torch emulation of DeepGEMM's hyper-connection kernels, `mega_mhc` and `tf32_hc_prenorm_gemm`
+(same signatures; they write the caller's outputs).
 
 See jax_dg/reference/mhc.py for the contract. Strided SF outputs are honoured: y_gemm_sf is a
 column-major view, y_shared_sf a view whose storage holds Mega MoE's shared-expert SF pages.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mega_mhc"]
+from jax_dg.contracts import hc_split_bounds
+
+__all__ = ["mega_mhc", "tf32_hc_prenorm_gemm"]
 
 
 def _sinkhorn(v: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -86,3 +89,18 @@ def mega_mhc(x, residual, shifted_prev_mix, post_mix, comb_res_mix, fn, mix_scal
         pages = torch.as_strided(y_shared_sf, (rows, h // 128), y_shared_sf.stride(),
                                  y_shared_sf.storage_offset())
         pages[_shared_sf_rows(t, shared_sf_block_m, x.device)] = packed
+
+
+# --- the hyper-connection pre-norm GEMM -----------------------------------------------------------
+
+def tf32_hc_prenorm_gemm(a, b, d, sqr_sum, num_splits=None) -> None:
+    """d = a.float() @ b.T and sqr_sum = sum(a.float()**2, -1), per split of K when num_splits
+    is given (split s takes whole 64-wide K blocks, the remainder going to the first splits)."""
+    x, w = a.float(), b.float()
+    if num_splits is None:
+        d.copy_(x @ w.T)
+        sqr_sum.copy_(x.square().sum(-1))
+        return
+    for s, (start, end) in enumerate(hc_split_bounds(a.shape[1], num_splits)):
+        d[s].copy_(x[:, start:end] @ w[:, start:end].T)
+        sqr_sum[s].copy_(x[:, start:end].square().sum(-1))

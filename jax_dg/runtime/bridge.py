@@ -2,61 +2,50 @@
 
 XLA calls the generic handler with a `site` attribute: the call-site record
 (jax_dg.core.site: the op, the concrete backend, which optional arguments are present, whether
-the call may be captured, the statics and the trace-time plan). The handler asks
-`_prepare(site, platform)` once per call site for a callable and caches it; every call then
-passes XLA's stream, device ordinal and torch views of the argument and result buffers to it.
+the call may be captured, the statics and the trace-time plan). The handler imports this
+module at its first call (installing its hooks: nothing else imports it, so a process that
+runs no DeepGEMM op imports no torch), asks `_prepare(site, platform)` once per call site for a
+callable and caches it; every call then passes XLA's stream, device ordinal and torch views of
+the argument and result buffers to it.
 
 Capture: an op declared graph-safe (Op.graph_safe) is lowered to a second target whose CUDA
 handler is command-buffer compatible. XLA may then run the call under stream capture on its
 trace stream and replay the recorded kernels without calling Python at all; the call is guarded
-(runtime.capture_guard) so that a torch allocation under capture is an error, never a
-use-after-free on replay.
+(jax_dg.runtime.guards.capture_guard) so that a torch allocation under capture is an error,
+never a use-after-free on replay.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax  # keep ahead of the extension: loading it first crashes jax's import (see tests)
 import torch
 
 from jax_dg.core import _bridge
-from jax_dg.core import backend as selection
-from jax_dg.core import runtime
+from jax_dg.core import dispatch, registry
 from jax_dg.core.site import Site
 from jax_dg.core.statics import pick
+from jax_dg.runtime import guards, landing
+from jax_dg.runtime.run import Run
 
-_HANDLERS = _bridge.handlers()
-_GRAPH_HANDLERS = _bridge.graph_handlers()
-GRAPH_SUFFIX = "_graph"   # the command-buffer-compatible twin of an op's target
-_REGISTERED: set[str] = set()
-_OPS: dict[str, Any] = {}  # op name -> Op (jax_dg.core.op)
-
-
-def register_op(op) -> str:
-    """Registers `op`'s custom-call target on every platform; returns the target's name."""
-    name = f"jax_dg_{op.name}"
-    _OPS[op.name] = op
-    if name not in _REGISTERED:
-        for platform, handler in _HANDLERS.items():
-            jax.ffi.register_ffi_target(name, handler, platform=platform)
-        if op.graph_safe:
-            for platform, handler in _GRAPH_HANDLERS.items():
-                jax.ffi.register_ffi_target(name + GRAPH_SUFFIX, handler, platform=platform)
-        _REGISTERED.add(name)
-    return name
+# XLA element types that DLPack carries as uint8 (see DlpackType in ffi/bridge.cc), from
+# xla/ffi/api/c_api.h (XLA_FFI_DataType, part of the stable FFI ABI).
+FP8_BY_XLA_TYPE = {19: torch.float8_e5m2, 20: torch.float8_e4m3fn}
 
 
-def registered_targets() -> list[str]:
-    """Every custom-call target jax_dg registered (graph-safe twins included)."""
-    return sorted(_REGISTERED | {n + GRAPH_SUFFIX for n in _REGISTERED
-                                 if _OPS[n.removeprefix("jax_dg_")].graph_safe})
+def retype(tensor: torch.Tensor, xla_dtype: int) -> torch.Tensor:
+    """The FP8 view of a uint8 DLPack tensor."""
+    return tensor.view(FP8_BY_XLA_TYPE[xla_dtype])
 
 
-def registered_ops() -> dict[str, Any]:
-    """Every registered op by name (test-only ops start with "_")."""
-    return dict(_OPS)
+@functools.lru_cache(maxsize=64)
+def torch_stream(stream: int, device: int) -> tuple[int, int, int]:
+    """(stream_id, device_index, device_type) of XLA's CUDA stream, for torch._C._cuda_setStream."""
+    s = torch.cuda.ExternalStream(stream, device=torch.device("cuda", device))
+    return (s.stream_id, s.device_index, s.device_type)
 
 
 def call_count() -> int:
@@ -96,11 +85,12 @@ def _prepare(text: str, platform: str) -> Callable:
     torch's stream and device made XLA's around it."""
     site = Site.decode(text)
     op_name, graph = site.op, site.graph
-    op = _OPS[op_name]
+    op = registry.op(op_name)
     static = pick(op.run, site.static)   # the statics and plan the run function names
-    dg = selection.namespace(site.backend, platform, op.symbols)
+    dg = dispatch.kernels(op, site.backend)   # what the trace resolved, for the record's backend
     if _STAGES is not None and platform == "cuda":
         dg = _Timed(dg)
+    rt = Run(dg, landing.lands_into(platform, dg))
     run_op = op.run
 
     # One flat closure per call site: this runs on every call, keep it lean.
@@ -109,14 +99,14 @@ def _prepare(text: str, platform: str) -> Callable:
 
         def run(ins: tuple, outs: tuple) -> None:
             it = iter(ins)
-            run_op(dg, *[next(it) if p else None for p in slots], *outs, **static)
+            run_op(rt, *[next(it) if p else None for p in slots], *outs, **static)
     else:
         def run(ins: tuple, outs: tuple) -> None:
-            run_op(dg, *ins, *outs, **static)
+            run_op(rt, *ins, *outs, **static)
 
-    run = runtime.named_errors(op_name, run)
+    run = guards.named_errors(op_name, run)
     if graph:
-        run = runtime.capture_guard(op_name, platform, run)
+        run = guards.capture_guard(op_name, platform, run)
     if _STAGES is not None and platform == "cuda":
         run = _timed_run(run)
     if platform != "cuda":
@@ -134,7 +124,7 @@ def _prepare(text: str, platform: str) -> Callable:
         # for the call, then give torch its own back.
         xla = streams.get((stream, device))
         if xla is None:
-            xla = streams.setdefault((stream, device), runtime.torch_stream(stream, device))
+            xla = streams.setdefault((stream, device), torch_stream(stream, device))
         prev_device = get_device()
         if prev_device != device:
             set_device(device)
@@ -208,4 +198,4 @@ def cache_sizes() -> tuple[int, int]:
     return _bridge.cache_sizes()
 
 
-_bridge.install(_prepare, runtime.retype)
+_bridge.install(_prepare, retype)

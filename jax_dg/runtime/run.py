@@ -1,29 +1,26 @@
-"""Torch-side helpers for the ops' run functions (code that runs inside the custom call).
+"""What an op's run function receives first (`rt`, a `Run`): the call's kernels and jax_dg's torch
+helpers. Run functions are written in the op modules against this object alone, so the
+trace-time half imports no torch:
 
-Everything in jax_dg that touches torch at run time, other than the backends, lives here: XLA's
-stream as a torch stream, one-pass output cleaning, int32 views of metadata buffers. Cached
-constants keep the hot path free of allocations.
+    rt.dg                       DeepGEMM's API: the symbols the trace resolved
+                                (jax_dg.core.dispatch), or the torch emulation of that contract
+    rt.land(out, make, lands)   DeepGEMM's own allocation placed in XLA's result `out`
+                                (jax_dg.runtime.landing)
+    rt.dtype, rt.dims, rt.mn_major_view, rt.row_aligned, rt.write_sparse_metadata, ...
+                                the helpers below: dtypes by name, DeepGEMM's keywords, views
+                                of XLA's buffers, the sparse metadata, one-pass cleaning
+
+Cached constants keep the hot path free of allocations.
 """
 
 from __future__ import annotations
 
-import functools
+from typing import Callable
 
 import torch
 
 from jax_dg import contracts
-
-int32 = torch.int32
-int64 = torch.int64
-
-# XLA element types that DLPack carries as uint8 (see DlpackType in ffi/bridge.cc), from
-# xla/ffi/api/c_api.h (XLA_FFI_DataType, part of the stable FFI ABI).
-FP8_BY_XLA_TYPE = {19: torch.float8_e5m2, 20: torch.float8_e4m3fn}
-
-
-def retype(tensor: torch.Tensor, xla_dtype: int) -> torch.Tensor:
-    """The FP8 view of a uint8 DLPack tensor."""
-    return tensor.view(FP8_BY_XLA_TYPE[xla_dtype])
+from jax_dg.runtime import landing
 
 
 def dims(compiled_dims: str | None) -> dict:
@@ -36,92 +33,9 @@ def dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-@functools.lru_cache(maxsize=64)
-def torch_stream(stream: int, device: int) -> tuple[int, int, int]:
-    """(stream_id, device_index, device_type) of XLA's CUDA stream, for torch._C._cuda_setStream."""
-    s = torch.cuda.ExternalStream(stream, device=torch.device("cuda", device))
-    return (s.stream_id, s.device_index, s.device_type)
-
-
-# --- capture safety -------------------------------------------------------------------------
-
-class CaptureAllocationError(RuntimeError):
-    """A graph-safe op's call allocated torch memory while XLA was capturing it into a CUDA
-    graph: the replayed graph would keep using memory torch has freed."""
-
-
-# Captured and eager entries of graph-safe call sites (what the capture tests and the
-# benchmark read).
-CAPTURE_STATS = {"captured": 0, "eager": 0}
-
-
-def is_capturing(platform: str) -> bool:
-    """Whether the call runs under stream capture (torch's current stream, set to XLA's)."""
-    return platform == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
-
-
-def allocations(platform: str) -> int:
-    """Blocks torch's caching allocator has handed out so far on the current device, but the
-    ones that landed in XLA's buffers (jax_dg.core.landing: memory torch never keeps)."""
-    if platform != "cuda":
-        return 0
-    from jax_dg.core import _bridge   # the extension, loaded after jax (see core/bridge.py)
-    device = torch.cuda.current_device()
-    stats = torch._C._cuda_memoryStats(device)
-    return stats["allocation"]["all"]["allocated"] - _bridge.landing_landed_on(device)
-
-
-def capture_guard(op_name: str, platform: str, run):
-    """`run` guarded for capture: under stream capture, an allocation by torch's allocator
-    raises CaptureAllocationError naming the op (the kernels it launched would be replayed on
-    freed memory). Outside capture it costs one query of the stream's capture state."""
-    def guarded(ins, outs):
-        if not is_capturing(platform):
-            CAPTURE_STATS["eager"] += 1
-            return run(ins, outs)
-        CAPTURE_STATS["captured"] += 1
-        before = allocations(platform)
-        run(ins, outs)
-        if allocations(platform) != before:
-            raise CaptureAllocationError(
-                f"jax_dg: `{op_name}` allocated torch memory while XLA captured it into a CUDA "
-                "graph; the replay would reuse freed memory. This op is declared graph-safe "
-                "(Op.graph_safe) and must not allocate: report it, and run with "
-                "XLA_FLAGS=--xla_gpu_enable_command_buffer= meanwhile.")
-    return guarded
-
-
-def named_errors(op_name: str, run):
-    """`run` whose exceptions name the op (they reach the user as XLA's error text). torch
-    running out of memory inside DeepGEMM gets the advice that fixes it: XLA preallocates 75% of
-    the GPU by default, and DeepGEMM's allocations go through torch's allocator beside it."""
-    def named(ins, outs):
-        try:
-            run(ins, outs)
-        except torch.OutOfMemoryError as e:
-            raise MemoryError(
-                f"jax_dg.{op_name}: out of GPU memory inside the call (DeepGEMM allocates through "
-                "torch's caching allocator, beside XLA's preallocated pool). Leave torch room: set "
-                "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.5) or XLA_PYTHON_CLIENT_PREALLOCATE="
-                f"false before jax starts. torch said: {str(e).splitlines()[0]}") from None
-        except Exception as e:
-            raise RuntimeError(f"jax_dg.{op_name}: {type(e).__name__}: {e}") from e
-    return named
-
-
 # --- scales as DeepGEMM wants them: MN-major, TMA-aligned views of XLA buffers --------------
 
 _MN_MAJOR: dict = {}
-
-
-@functools.lru_cache(maxsize=16)
-def _arch_major(device: int) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
-def arch_major(t: torch.Tensor) -> int:
-    """The compute capability's major of the GPU holding `t` (0 on CPU); cached per device."""
-    return _arch_major(t.device.index) if t.is_cuda else 0
 
 
 def mn_major_view(physical: torch.Tensor, mn: int) -> torch.Tensor:
@@ -231,3 +145,29 @@ def clean_sparse(out: torch.Tensor, logits: torch.Tensor, ks: torch.Tensor | Non
     valid = ((columns(out, nmsb * sbk) < (nvb * sbk)[:, None]) & (token >= ks[:, None])
              & (token < ke[:, None]))
     where_valid(out, valid, logits)
+
+
+class Run:
+    """One call site's run time, made once when the bridge prepares the site: its kernels
+    (`dg`), where its own allocations land, and the helpers above."""
+
+    int32 = torch.int32
+    int64 = torch.int64
+    dims = staticmethod(dims)
+    dtype = staticmethod(dtype)
+    mn_major_view = staticmethod(mn_major_view)
+    row_aligned = staticmethod(row_aligned)
+    write_sparse_metadata = staticmethod(write_sparse_metadata)
+    sparse_header = staticmethod(sparse_header)
+    sparse_payload = staticmethod(sparse_payload)
+    clean_sparse = staticmethod(clean_sparse)
+
+    def __init__(self, dg, lands_into: Callable):
+        self.dg = dg
+        self._lands_into = lands_into
+
+    def land(self, out: torch.Tensor, make: Callable[[], torch.Tensor], lands: bool = True) -> None:
+        """`make()` (a DeepGEMM call that allocates its result once) with that allocation
+        placed in `out` where the trace decided it `lands`, else copied there
+        (jax_dg.runtime.landing.land)."""
+        landing.land(out, make, lands, self._lands_into)
