@@ -58,7 +58,7 @@ names = {i.filename for i in infos if not i.filename.endswith("/")}
 meta = {n for n in names if n.split("/")[0].endswith(".dist-info")}
 so = {n for n in names - meta if n.endswith(".so")}
 mods = sorted(os.path.basename(n).split(".")[0] for n in so)
-assert all(n.startswith("jax_dg/core/") for n in so) and mods == ["_bridge", "_native"], so
+assert all(n.startswith("jax_dg/core/") for n in so) and mods == ["_bridge", "_check", "_native"], so
 assert names - meta - so == sources, (sorted(names - meta - so - sources), sorted(sources - names))
 print(f"== wheel {os.path.basename(whl)}: {len(sources)} modules, {mods}, {len(meta)} metadata "
       f"files, {os.path.getsize(whl) // 1024} KiB")

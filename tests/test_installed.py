@@ -27,8 +27,8 @@ def in_site_packages(file: str) -> bool:
 
 
 def test_jax_dg_and_its_ffi_modules_load_from_site_packages():
-    from jax_dg.core import _bridge, _native
-    for module in (jax_dg, _bridge, _native):
+    from jax_dg.core import _bridge, _check, _native
+    for module in (jax_dg, _bridge, _check, _native):
         assert in_site_packages(module.__file__), (module.__file__, SITE)
 
 
@@ -39,7 +39,7 @@ def test_installed_from_a_wheel_not_editable():
 
 def test_every_module_the_wheel_ships_imports():
     files = [f for f in importlib.metadata.files("jax_dg") if f.parts[0] == "jax_dg"]
-    assert {f.name.split(".")[0] for f in files if f.suffix == ".so"} == {"_bridge", "_native"}
+    assert {f.name.split(".")[0] for f in files if f.suffix == ".so"} == {"_bridge", "_check", "_native"}
     modules = sorted(".".join(f.with_suffix("").parts).removesuffix(".__init__")
                      for f in files if f.suffix == ".py")
     assert {"jax_dg.core.op", "jax_dg.operands.paged", "jax_dg.tools.warmup", "jax_dg.nn.moe"} <= set(modules)

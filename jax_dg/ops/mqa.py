@@ -256,8 +256,8 @@ def clamp_key_ranges(name: str, ks, ke, num_keys: int):
     DeepGEMM reads keys [ks, ke) unchecked. A row's range becomes [clip(ks, 0, N),
     clip(ke, ks', N)): keys outside [0, N) do not exist, ke <= ks stays an empty row. In
     checked mode (jax_dg.checked) ks < 0 or ke > N raises instead."""
-    values.require(name, "cu_seqlen_ks", ks >= 0, "must be >= 0 (a key index)", ks)
-    values.require(name, "cu_seqlen_ke", ke <= num_keys, f"must be <= N = {num_keys} (keys)", ke)
+    ks = values.require(name, "cu_seqlen_ks", ks >= 0, "must be >= 0 (a key index)", ks)
+    ke = values.require(name, "cu_seqlen_ke", ke <= num_keys, f"must be <= N = {num_keys} (keys)", ke)
     ks = jnp.clip(ks, 0, num_keys)
     return ks, jnp.clip(ke, ks, num_keys)
 
