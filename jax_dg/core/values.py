@@ -117,3 +117,6 @@ def _compiled_check() -> bool:
                 jax.ffi.register_ffi_target(TARGET, capsule, platform=platform)
             _registered.append(True)
     return _registered[0]
+
+
+_compiled_check()   # registered at import, as jax_dg's other targets: a deserialised program may hold it

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import jax
 
-from jax_dg.core import op
+from jax_dg.core import op, values
 
 __all__ = ["export_safety_checks"]
 
 
 def export_safety_checks() -> list:
     """The jax.export DisabledSafetyCheck list for every custom-call target of jax_dg."""
-    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in op.targets()]
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in (*op.targets(), values.TARGET)]
