@@ -6,5 +6,6 @@
   torch_emu  DeepGEMM's API implemented in plain torch (the CPU backend, any device on request),
              and references of jax_dg's own kernels
 
-Which one runs is chosen in jax_dg.core.backend.
+Which one runs is chosen in jax_dg.core.backend. torch is optional (jax_dg.backends.optional):
+imported only by the torch emulation and where DeepGEMM runs.
 """
