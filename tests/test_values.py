@@ -62,7 +62,8 @@ def raises_naming(arg, fn, *args):
     with values.checked():
         with pytest.raises(jax_dg.ArgumentError, match=naming(arg.split("|")[0])):
             fn(*args)   # eagerly the checks run in program order
-        with pytest.raises(jax.errors.JaxRuntimeError, match=naming(arg)) as e:
+        # JAX raises a failed program as JaxRuntimeError, as ValueError from jit's C++ fast path
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=naming(arg)) as e:
             jax.block_until_ready(jax.jit(fn)(*args))
     assert re.fullmatch(r"INVALID_ARGUMENT: \w+: `\w+` [^\n]+ \(\d+ of \d+ [a-z ]+\)", str(e.value)), str(e.value)
 
@@ -364,3 +365,22 @@ def test_layouts_deepgemm_computes_as_written_pass_the_check():
     with values.checked():
         jax.block_until_ready(jax.jit(fn)(a, b, jnp.asarray(layout)))
         jax.block_until_ready(fn(a, b, layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(set(CASES) - SM100_ONLY))
+def test_gpu_checked_mode_raises_one_line_from_the_device(case):
+    """On the GPU the compiled check copies its vector to the host on XLA's stream: the same
+    one-line error, and in-range values pass."""
+    assert jax.default_backend() == "gpu"
+    fn, bad, good = CASES[case][0]()
+    raises_naming(CASES[case][1], fn, *bad)
+    with values.checked():
+        jax.block_until_ready(jax.jit(fn)(*good))
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_layout_raises_under_checked():
+    layout = np.repeat(np.array([0, 1, 2, 0], np.int32), 64)
+    a, b = misaligned_case(layout)
+    raises_naming("grouped_layout", jax_dg.m_grouped_fp8_gemm_nt_contiguous, a, b, jnp.asarray(layout))

@@ -14,15 +14,16 @@ How the checked mode raises. `jax.experimental.checkify` would need every caller
 whole program in `checkify.checkify(...)` and call `err.throw()` (a bare `checkify.check` inside
 `jax.jit` is refused while tracing), so jax_dg cannot put it inside its ops on its own. On
 concrete (eager) values a check raises `jax_dg.ArgumentError` at once. Under jit it is a
-custom call of its own (ffi/check.cc: the bool vector and the values, copied to the host and
-read there; one synchronisation per check) that the value it checks passes through: a failed check fails
-the jitted call with the runtime error XLA raises for it (`jax.errors.JaxRuntimeError`; JAX
-carries no Python exception type out of a compiled program) whose text is the jax_dg message
-alone: `INVALID_ARGUMENT: op: \\`arg\\` rule, got ...`. (A Python host callback would bury that
-text under JAX's "CpuCallback error" line and a traceback of the caller's frames; it remains
-the fallback where the compiled check is missing.) It works inside jit and vmap, on every
-backend: a debugging mode, not for production steps. The checks run beside the sanitising,
-which stays in place, so a failed check never reaches DeepGEMM with a bad value.
+custom call of its own (ffi/check.cc: the bool vector and the values copied to the host and read
+there, one synchronisation per check) that the checked value passes through, so what reads the
+value next runs after it. A failed check fails the jitted call with the error JAX raises for a
+failed program (`jax.errors.JaxRuntimeError`, or `ValueError` from jit's C++ fast path: JAX
+carries no Python exception type out of a compiled program), whose text is one line, the jax_dg
+message: `INVALID_ARGUMENT: op: \\`arg\\` rule, got ...`. (A Python host callback buries that text
+under JAX's "CpuCallback error" line and a traceback of the caller's frames; it remains the
+fallback where the compiled check is missing.) It works inside jit and vmap, on every backend: a
+debugging mode, not for production steps. The checks run beside the sanitising, which stays in
+place, so a failed check never reaches DeepGEMM with a bad value.
 
 The switch is part of jit's cache key (like `use_backend`): a function jitted once is traced
 again when called inside `checked()`.
