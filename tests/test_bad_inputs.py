@@ -241,8 +241,8 @@ def test_per_token_scales_given_for_b_say_how_they_were_read():
     x = jnp.ones((64, 256), jnp.bfloat16)
     a = jax_dg.per_token_cast_to_fp8(x)
     b = jax_dg.per_token_cast_to_fp8(jnp.ones((128, 256), jnp.bfloat16))   # per-token, not per-block
-    with pytest.raises(jax_dg.ArgumentError, match=r"`b\[1\]` has one scale per row of b .*read as "
-                       r"recipe \(1, 1, 128\).*per_block_cast_to_fp8"):
+    with pytest.raises(jax_dg.ArgumentError, match=r"`c` is required with recipe \(1, 1, 128\).*which "
+                       r"b's scales select: b\[1\] \(128, 2\) holds one scale per row.*per_block_cast_to_fp8"):
         jax_dg.fp8_gemm_nt(a, b)
     jax_dg.fp8_gemm_nt(a, jax_dg.per_block_cast_to_fp8(jnp.ones((128, 256), jnp.bfloat16)))
 
