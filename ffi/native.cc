@@ -32,7 +32,8 @@ namespace nb = nanobind;
   X("jax_dg_native_zero_masked_tail", MaskedTail)     \
   X("jax_dg_native_zero_padding_rows", PaddingRows)   \
   X("jax_dg_native_paged_sanitise", Sanitise)         \
-  X("jax_dg_native_cast_fp8", CastFp8)
+  X("jax_dg_native_cast_fp8", CastFp8)                \
+  X("jax_dg_check", Check)
 
 #ifdef JAX_DG_CUDA
 #define JAX_DG_DECLARE(target, Name)                    \

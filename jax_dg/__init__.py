@@ -61,7 +61,8 @@ from jax_dg.tools.capability import (
 )
 from jax_dg.core.backend import ENV as BACKEND_ENV
 from jax_dg.core.backend import use_backend
-from jax_dg.core.checks import ArgumentError, NotDifferentiableError, UnsupportedArchError
+from jax_dg.core.checks import (ArgumentError, NotDifferentiableError, UnsupportedArchError,
+                               UnsupportedBackendError)
 from jax_dg.core.values import checked  # data-dependent index values raise instead of being clamped
 from jax_dg.tools.exporting import export_safety_checks
 from jax_dg.tools.warmup import warmup

@@ -3,7 +3,8 @@
 
 `info` reports the platform, jax/jaxlib/torch versions, the devices with their arch, where deep_gemm
 was found and its version (or why it was not, with the install hint), for each function a user
-calls whether it runs natively on DeepGEMM here, runs a reference, or raises (and why), and
+calls what a call runs here (DeepGEMM or jax_dg's CUDA kernel natively, jax_dg's C++ kernel on
+CPU, DeepGEMM's torch emulation, the pure-JAX reference, or an error, and why), and
 DeepGEMM's JIT cache folder.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -28,8 +30,19 @@ def _version(module: str) -> str:
         return f"not importable ({type(e).__name__}: {e})"
 
 
+# What a call of a kernel function does here, as `info` names it. "reference" means the pure-JAX
+# oracle only (jax_dg/reference), as everywhere in jax_dg.
+MODES = {
+    "native": "DeepGEMM's kernel, or jax_dg's own CUDA kernel, on this GPU",
+    "cpu kernel": "jax_dg's own kernel as C++ on the CPU (bitwise its CUDA twin)",
+    "emulated": "DeepGEMM's kernel emulated in torch, through the FFI bridge",
+    "reference": "the pure-JAX reference traced in place of the op (no custom call)",
+    "raises": "an error while tracing",
+}
+
+
 def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple[str, str]:
-    """(what a call does here: "native", "reference" or "raises", why) for one Op record, as
+    """(what a call does here: one of MODES, why) for one Op record, as
     jax_dg.core.dispatch.resolve decides it for a call traced on this platform."""
     from jax_dg import contracts
     from jax_dg.core import backend as selection
@@ -43,18 +56,31 @@ def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple
     native = how.runs == "deep_gemm" or (how.runs == "native" and where == "cuda")
     forms = [f"with `{arg}`: {', '.join(sorted(archs))} only" for arg, archs in op.arg_archs.items()
              if native and family not in archs]
-    return ("native" if native else "reference"), how.why + (f" ({'; '.join(forms)})" if forms else "")
+    mode = ("native" if native else "cpu kernel" if how.runs == "native"
+            else "emulated" if how.runs == "torch" else "reference")
+    return mode, how.why + (f" ({'; '.join(forms)})" if forms else "")
 
 
-_RANK = {"raises": 0, "reference": 1, "native": 2}
+_RANK = {"raises": 0, "reference": 1, "emulated": 2, "cpu kernel": 3, "native": 4}
+
+
+def _helper_how(fn) -> str:
+    """What a function without a kernel of its own is, for `info`."""
+    runs = getattr(fn, "__jax_dg_runs__", None)
+    if runs:
+        return runs
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is not None and inspect.isgeneratorfunction(wrapped):
+        return "a context manager: sets what functions traced inside it do (part of jit's cache key)"
+    return "pure JAX (no custom call)"
 
 
 def function_status(fn, platform_name: str, family: str | None, backend: str) -> tuple[str, str, list]:
-    """(mode, why, op names) for a public function: its ops' least capable mode; "jax" for the
-    helpers that are plain jax.numpy (no custom call)."""
+    """(mode, why, op names) for a public function: its ops' least capable mode; "helper" for the
+    functions with no kernel of their own (plain jax.numpy, or Python around it)."""
     ops = getattr(fn, "__jax_dg_ops__", ())
     if not ops:
-        return "jax", "pure JAX (no custom call)", []
+        return "helper", _helper_how(fn), []
     found = [(op, *op_status(op, platform_name, family, backend)) for op in ops]
     op, mode, how = min(found, key=lambda f: _RANK[f[1]])
     if len(found) > 1 and mode == "native":
@@ -141,16 +167,19 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"deep_gemm     {dg['version']} ({dg['module']}) at {dg['path']}")
     else:
         lines.append(f"deep_gemm     not found: {dg['why']}")
-        lines.append(f"              {dg['hint']}")
+        if any(d["platform"] == "gpu" for d in info["devices"]):   # needed on a GPU only
+            lines.append(f"              {dg['hint']}")
     lines.append(f"JIT cache     {info['jit_cache_dir'] or '(unset)'} (DG_JIT_CACHE_DIR)")
     lines.append(f"scales        {info['scale_format']} (E8M0 used: {'yes' if info['e8m0_used'] else 'no'})")
-    kernels = [f for f in info["functions"] if f["mode"] != "jax"]
+    kernels = [f for f in info["functions"] if f["mode"] != "helper"]
     native = [f for f in kernels if f["native"]]
-    lines.append(f"functions     {len(native)} of {len(kernels)} kernel functions run natively on "
-                 f"DeepGEMM here; {len(info['functions']) - len(kernels)} helpers are pure JAX")
+    modes = sorted({f["mode"] for f in kernels}, key=lambda m: -_RANK[m])
+    lines.append(f"functions     {len(native)} of {len(kernels)} kernel functions run natively here; "
+                 f"{len(info['functions']) - len(kernels)} helpers have no kernel of their own")
+    lines += [f"  {m:<10}  {MODES[m]}" for m in modes]
     width = max((len(f["name"]) for f in info["functions"]), default=0)
     for f in info["functions"]:
-        lines.append(f"  {f['name']:<{width}}  {f['mode']:<9}  {f['how']}")
+        lines.append(f"  {f['name']:<{width}}  {f['mode']:<10}  {f['how']}")
     return "\n".join(lines)
 
 
@@ -182,11 +211,14 @@ def warmup_main(args) -> int:
     except (OSError, ImportError, AttributeError) as e:
         print(f"python -m jax_dg warmup: {e}", file=sys.stderr)
         return 2
+    from jax_dg.core import device
+    # DeepGEMM compiles on CUDA only: elsewhere the stdout summaries below say all there is
+    progress = args.progress if device.platform() == "cuda" else "off"
     reports = []
     for name, fn, fn_args, fn_kwargs in module.warmup_jobs(args.script_args):
-        if args.progress != "off":
+        if progress != "off":
             print(f"== {name}", file=sys.stderr)
-        reports.append((name, warmup.warmup(fn, *fn_args, progress=args.progress, **fn_kwargs)))
+        reports.append((name, warmup.warmup(fn, *fn_args, progress=progress, **fn_kwargs)))
     if args.json:
         print(json.dumps([{"job": name, **r.as_dict()} for name, r in reports], indent=1))
     else:

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+echo "== demo.sh: the jitted indexer step (examples/indexer_topk.py)"
 exec "${PYTHON:-python3}" examples/indexer_topk.py "$@"

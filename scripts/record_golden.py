@@ -58,7 +58,15 @@ def main() -> int:
     ap.add_argument("--dir", default=HERE)
     ap.add_argument("cases", nargs="*", help="case names (default: all)")
     args = ap.parse_args()
-    import deep_gemm
+    try:
+        import deep_gemm
+        gpu = torch.cuda.is_available()
+    except ImportError as e:
+        deep_gemm, gpu, why = None, False, f"{type(e).__name__}: {e}"
+    else:
+        why = "torch sees no CUDA device"
+    if deep_gemm is None or not gpu:
+        return fail(why)
     meta = {"deep_gemm": getattr(deep_gemm, "__version__", "?"), "torch": torch.__version__,
             "jax": jax.__version__, "device": torch.cuda.get_device_name(),
             "num_sms": deep_gemm.get_num_sms()}
@@ -81,6 +89,15 @@ def main() -> int:
             cases.save(path, inputs, outputs, dict(meta, case=case.name))
             print(f"{case.name:40s} {os.path.getsize(path):8d} bytes  {[o.shape for o in outputs]}")
     return 1 if bad else 0
+
+
+def fail(why: str) -> int:
+    # (the inputs are not checked alone: jax.random's float32 normals differ between CPU and GPU
+    # in about 1% of their bytes, and the files were made on a GPU)
+    print(f"record_golden.py runs DeepGEMM: it needs deep_gemm on a CUDA GPU ({why}). Without "
+          "one, `python -m pytest tests/test_golden.py` checks the torch emulation and the pure-JAX "
+          "reference against the stored DeepGEMM outputs.", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

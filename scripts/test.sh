@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh "[test]"
+echo "== test.sh: the test suite (CPU: about 8 minutes on 2 cores; the GPU tests skip without a GPU)"
 exec "${PYTHON:-python3}" -m pytest -q tests "$@"

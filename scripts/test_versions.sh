@@ -3,19 +3,24 @@
 # build/versions/, leaving the main environment as it is:
 #   floor   jax/jaxlib 0.10.1, pyproject's lower bound, on $PYTHON (default python3). The venv has
 #           --system-site-packages: torch, pytest and the build tools come from the main environment.
-#           jax_dg is installed editable.
+#           jax_dg is built WITHOUT build isolation (the route of scripts/install.sh: that venv's
+#           jaxlib headers) and installed editable, in a build folder of its own; the script checks
+#           that the compiled bridge it loads is that venv's. The leg also builds a wheel from a
+#           git URL of the repository's HEAD (`pip wheel git+file://...`, pip's defaults, the CUDA
+#           kernels left out for time) and checks its modules.
 #   newest  jax/jaxlib 0.12.0.1, the newest release in range. jax >= 0.11 needs Python >= 3.12: this
 #           leg runs where one is found ($PYTHON312, a python3.12 on PATH, or pyenv's 3.12), in a
 #           plain venv with its own torch $TORCH (PyPI's build: about 5 GB of CUDA wheels, downloaded
 #           once, then kept in the venv). Without a Python 3.12 it is skipped, and says so.
-#           jax_dg is installed from a wheel (docs/install.md, "Install the wheel"): the script
-#           builds it, checks its contents, installs it and runs the suite from a copy of the
-#           repository without jax_dg/, so that only the installed package can be imported.
+#           jax_dg is installed as a user of the sdist gets it: the script builds the sdist, a wheel
+#           from it WITH pip's default build isolation (compiled against jaxlib 0.10.1's FFI headers,
+#           pyproject.toml), checks the wheel's contents, installs it and runs the suite from a copy
+#           of the repository without jax_dg/, so that only the installed package can be imported.
+#           Then the same wheel is loaded on jax/jaxlib 0.10.1 (swapped into the venv) and the
+#           tests that reach every FFI module run again: the FFI ABI claim (a module built against
+#           the oldest headers loads on every jax in range) is tested at both ends.
 #           The wheel leg is this one because its venv is plain: through --system-site-packages
 #           the main environment's editable finder (first on sys.meta_path) would shadow a wheel.
-# In each venv jax_dg is built without build isolation (the FFI module must be compiled against that
-# venv's jaxlib headers), in a build folder of its own, and the script checks that the compiled
-# bridge it loads is that venv's.
 # Usage: bash scripts/test_versions.sh [floor] [newest] [-- pytest args]   (default: both legs;
 # test paths relative to the repository root)
 set -euo pipefail
@@ -39,14 +44,19 @@ find_python312() {
   return 1
 }
 
-install_wheel() {  # install_wheel PY VENV: build the wheel against the venv's jaxlib, check, install
+install_wheel() {  # install_wheel PY VENV: sdist, a wheel from it with build isolation, check, install
   local py=$1 venv=$2 log=$2/wheel.log
   rm -rf "$venv/dist"
-  if ! "$py" -m pip wheel -v --no-build-isolation --no-deps -C "build-dir=$venv/cmake" \
-       -w "$venv/dist" . >"$log" 2>&1; then
+  # The PEP 517 hooks as pip and `python -m build` call them (scikit-build-core is in the venv)
+  if ! "$py" -c "import sys, scikit_build_core.build as b; b.build_sdist(sys.argv[1])" "$venv/dist" \
+       >"$log" 2>&1 || ! "$py" -m pip wheel -v --no-deps -w "$venv/dist" "$venv"/dist/jax_dg-*.tar.gz \
+       >>"$log" 2>&1; then
     tail -n 60 "$log"; echo "== wheel build failed (log: $log)" >&2; return 1
   fi
-  sed -n 's/^ *-- \(jax_dg: .*\)/== \1/p' "$log"   # CMake's word on the CUDA kernels
+  sed -n 's/^ *-- \(jax_dg: .*\)/== \1/p' "$log"   # CMake's word on the FFI headers and CUDA kernels
+  grep -q -- "-- jax_dg: XLA FFI API .*pip-build-env" "$log" \
+    || { echo "== the wheel's FFI headers are not an isolated build environment's" >&2; return 1; }
+  echo "== sdist $(basename "$venv"/dist/jax_dg-*.tar.gz): $(( $(stat -c %s "$venv"/dist/jax_dg-*.tar.gz) / 1024 )) KiB"
   local whl
   whl=$(echo "$venv"/dist/jax_dg-*.whl)
   # Exactly the package's sources and its two FFI modules, plus the metadata: no tests, no build junk.
@@ -67,6 +77,27 @@ PY
   if "$py" -m pip show -q jax_dg 2>/dev/null; then "$py" -m pip uninstall -q -y jax_dg; fi
   "$py" -m pip install -q "$whl"
 }
+
+git_url_wheel() {  # git_url_wheel PY VENV: pip's git route, defaults but the CUDA kernels, checked
+  local py=$1 venv=$2 log=$2/git-wheel.log t0=$SECONDS
+  rm -rf "$venv/git"
+  if ! "$py" -m pip wheel -v --no-deps -C cmake.define.JAX_DG_NO_CUDA=ON -w "$venv/git" \
+       "git+file://$PWD" >"$log" 2>&1; then
+    tail -n 60 "$log"; echo "== wheel from the git URL failed (log: $log)" >&2; return 1
+  fi
+  "$py" - "$venv"/git/jax_dg-*.whl <<'PY'
+import os, sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+mods = sorted(os.path.basename(n).split(".")[0] for n in names if n.endswith(".so"))
+assert mods == ["_bridge", "_native"], mods
+print(f"== wheel from git+file:// (HEAD): {os.path.basename(sys.argv[1])}, {mods}")
+PY
+  echo "== git URL wheel built in $((SECONDS - t0)) s"
+}
+
+# What reaches every FFI module (bridge, native kernels, the compiled check) and the wheel's own
+# checks: run on the floor jax against the wheel built for the newest leg.
+ABI_TESTS="tests/test_installed.py tests/core/test_native.py tests/core/test_bridge.py tests/test_values.py"
 
 stage_tests() {  # stage_tests DIR: the repository's files but jax_dg/ (tests, docs, examples, ...)
   git ls-files -z -co --exclude-standard -- ':!jax_dg' | while IFS= read -r -d '' f; do
@@ -124,9 +155,16 @@ PY
     stage_tests "$stage"
     (cd "$stage" && JAX_DG_EXPECT_INSTALLED=1 "$py" -m pytest -q -p no:cacheprovider tests "$@") \
       || { rm -rf "$stage"; return 1; }
+    echo "== $name: the same wheel on jax $FLOOR_JAX"
+    "$py" -m pip install -q "jax==$FLOOR_JAX" "jaxlib==$FLOOR_JAX"
+    # shellcheck disable=SC2086   # a word list of test files
+    (cd "$stage" && "$py" -c "import jax, jax_dg.core._bridge, jax_dg.core._native; \
+print('== loaded on jax', jax.__version__)" && JAX_DG_EXPECT_INSTALLED=1 "$py" -m pytest -q \
+      -p no:cacheprovider $ABI_TESTS) || { rm -rf "$stage"; return 1; }
     rm -rf "$stage"
   else
     "$py" -m pytest -q -p no:cacheprovider tests "$@"
+    git_url_wheel "$py" "$venv"
   fi
   echo "== $name: done in $((SECONDS - t0)) s"
 }

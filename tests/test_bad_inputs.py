@@ -235,3 +235,22 @@ def test_the_paged_schedule_references_agree_at_int32_max_lengths():
     np.testing.assert_array_equal(torch_meta, xla_meta)
     np.testing.assert_array_equal(xla_meta, capped)
     assert (np.diff(xla_meta[:-1, 0]) >= 0).all() and xla_meta[-1, 0] == 266   # a real schedule
+
+
+def test_per_token_scales_given_for_b_say_how_they_were_read():
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    a = jax_dg.per_token_cast_to_fp8(x)
+    b = jax_dg.per_token_cast_to_fp8(jnp.ones((128, 256), jnp.bfloat16))   # per-token, not per-block
+    with pytest.raises(jax_dg.ArgumentError, match=r"`c` is required with recipe \(1, 1, 128\).*which "
+                       r"b's scales select: b\[1\] \(128, 2\) holds one scale per row.*per_block_cast_to_fp8"):
+        jax_dg.fp8_gemm_nt(a, b)
+    jax_dg.fp8_gemm_nt(a, jax_dg.per_block_cast_to_fp8(jnp.ones((128, 256), jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("cast", ["per_block_cast_to_fp8", "per_token_cast_to_fp8"])
+def test_a_cast_of_grouped_operands_points_at_vmap(cast):
+    w = jnp.ones((2, 128, 256), jnp.bfloat16)
+    with pytest.raises(jax_dg.ArgumentError, match=rf"jax.vmap\(jax_dg.{cast}\)\(x\)"):
+        getattr(jax_dg, cast)(w)
+    values, scales = jax.vmap(getattr(jax_dg, cast))(w)
+    assert values.shape == w.shape and scales.shape[0] == 2

@@ -36,3 +36,13 @@ def test_the_readme_example_runs(monkeypatch):
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["idx"].shape == (64, 32)
+
+
+def test_the_grouped_operands_example_runs():
+    api = (ROOT / "docs" / "api.md").read_text()
+    code = api.split("### Grouped operands")[1].split("```python")[1].split("```")[0]
+    scope: dict = {}
+    exec(compile(code, "docs/api.md", "exec"), scope)
+    import jax_dg
+    assert scope["out"].shape == scope["out2"].shape == (64, 256)
+    assert float(jax_dg.calc_diff(scope["out"], scope["out2"])) < 1e-6   # one routing, two layouts

@@ -5,6 +5,8 @@ jax_dg.checked() each raises naming the argument, eagerly and inside jit."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,12 +57,15 @@ def naming(arg: str) -> str:
 
 
 def raises_naming(arg, fn, *args):
-    """checked(): eagerly an ArgumentError, under jit the runtime error carrying its text."""
+    """checked(): eagerly an ArgumentError, under jit the runtime error of the compiled check:
+    one line, jax_dg's message after XLA's status code."""
     with values.checked():
         with pytest.raises(jax_dg.ArgumentError, match=naming(arg.split("|")[0])):
             fn(*args)   # eagerly the checks run in program order
-        with pytest.raises(Exception, match=naming(arg)):
+        # JAX raises a failed program as JaxRuntimeError, as ValueError from jit's C++ fast path
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=naming(arg)) as e:
             jax.block_until_ready(jax.jit(fn)(*args))
+    assert re.fullmatch(r"INVALID_ARGUMENT: \w+: `\w+` [^\n]+ \(\d+ of \d+ [a-z ]+\)", str(e.value)), str(e.value)
 
 
 # --- cases: (fn, bad args, the args whose result the bad ones are documented to give, arg) ----
@@ -324,3 +329,60 @@ def test_gpu_out_of_range_values_give_the_documented_result(case):
     with values.checked():
         with pytest.raises(Exception, match=naming(CASES[case][1])):
             jax.block_until_ready(jax.jit(fn)(*bad))
+
+
+# --- the grouped-contiguous layout: what DeepGEMM computes other than written -------------------
+def misaligned_case(layout):
+    rng = np.random.default_rng(7)
+    m, k, n, g = layout.shape[0], 128, 64, 3
+    a = jax_dg.per_token_cast_to_fp8(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16))
+    b = jax.vmap(jax_dg.per_block_cast_to_fp8)(jnp.asarray(rng.standard_normal((g, n, k)), jnp.bfloat16))
+    return a, b
+
+
+@pytest.mark.parametrize("form", ["64-row groups", "padding opens a block", "padding opens a slice"])
+def test_checked_mode_refuses_a_layout_deepgemm_computes_otherwise(form):
+    """A block of A = 128 rows is computed with the group of its first row, and a 64-row slice
+    that opens with padding is skipped: such layouts raise under checked(), naming the rows."""
+    layout = np.full(256, -1, np.int32)
+    if form == "64-row groups":
+        layout[:] = np.repeat([0, 1, 2, 0], 64)
+    elif form == "padding opens a block":
+        layout[130:256] = 1
+    else:
+        layout[:10], layout[70:128] = 0, 0
+    a, b = misaligned_case(layout)
+    fn = jax_dg.m_grouped_fp8_gemm_nt_contiguous
+    raises_naming("grouped_layout", fn, a, b, jnp.asarray(layout))
+    with pytest.raises(jax_dg.ArgumentError, match="first row of its block of A = get_mk_alignment"):
+        fn(a, b, layout)   # ids known while tracing: refused with or without checked()
+
+
+def test_layouts_deepgemm_computes_as_written_pass_the_check():
+    """Padding inside a group's block (e.g. ids made -1 as out of range) is computed as written."""
+    layout = np.repeat(np.array([0, 2], np.int32), 128)
+    layout[5], layout[100:128], layout[200:] = -1, -1, -1
+    a, b = misaligned_case(layout)
+    fn = jax_dg.m_grouped_fp8_gemm_nt_contiguous
+    with values.checked():
+        jax.block_until_ready(jax.jit(fn)(a, b, jnp.asarray(layout)))
+        jax.block_until_ready(fn(a, b, layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(set(CASES) - SM100_ONLY))
+def test_gpu_checked_mode_raises_one_line_from_the_device(case):
+    """On the GPU the compiled check copies its vector to the host on XLA's stream: the same
+    one-line error, and in-range values pass."""
+    assert jax.default_backend() == "gpu"
+    fn, bad, good = CASES[case][0]()
+    raises_naming(CASES[case][1], fn, *bad)
+    with values.checked():
+        jax.block_until_ready(jax.jit(fn)(*good))
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_layout_raises_under_checked():
+    layout = np.repeat(np.array([0, 1, 2, 0], np.int32), 64)
+    a, b = misaligned_case(layout)
+    raises_naming("grouped_layout", jax_dg.m_grouped_fp8_gemm_nt_contiguous, a, b, jnp.asarray(layout))

@@ -6,5 +6,8 @@
              with its own landing of the one allocation a logits call makes
   emulated   the device the emulations emulate (its SM count), without torch
 
-Which one runs is decided while tracing (jax_dg.core.backend, jax_dg.core.dispatch).
+  optional   torch, imported on first use (MissingTorchError names the extra that brings it)
+
+Which one runs is decided while tracing (jax_dg.core.backend, jax_dg.core.dispatch). torch is
+optional: imported only by the torch emulation and where DeepGEMM runs.
 """

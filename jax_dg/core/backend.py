@@ -2,7 +2,8 @@
 jax_dg/backends/, the pure-JAX references in jax_dg/reference/).
 
 `JAX_DG_BACKEND` (read when a function is traced):
-  auto       DeepGEMM on CUDA devices, the torch emulation on CPU (default)
+  auto       DeepGEMM on CUDA devices; on CPU the torch emulation where torch is installed,
+             else the pure-JAX reference (default)
   deep_gemm  DeepGEMM only; an error on CPU
   torch      the torch emulation through the FFI bridge, on any device
   xla        no custom call: the pure-JAX reference is traced in place of the op
@@ -14,6 +15,8 @@ import contextlib
 import os
 
 import jax
+
+from jax_dg.backends import optional
 
 ENV = "JAX_DG_BACKEND"
 CHOICES = ("auto", "deep_gemm", "torch", "xla")
@@ -37,6 +40,12 @@ def requested() -> str:
     return value if value is not None else _check(os.environ.get(ENV, "auto"))
 
 
+def asked_by(backend: str | None = None) -> str:
+    """How `backend` (default: the one asked for now) was chosen, as a user would write it."""
+    backend = requested() if backend is None else backend
+    return f"use_backend({backend!r})" if _context.value == backend else f"{ENV}={backend}"
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
     """Selects the backend for functions traced (or called through jit) inside the block.
@@ -50,8 +59,11 @@ def use_backend(name: str):
 
 def concrete(backend: str, platform: str) -> str:
     """The backend asked for, made concrete for a platform ("cpu" or "cuda"): "auto" is
-    "deep_gemm" on CUDA and "torch" elsewhere; every other choice is itself (deep_gemm on a CPU
-    is the resolver's to refuse, jax_dg.core.dispatch)."""
+    "deep_gemm" on CUDA; elsewhere "torch" (the same program as on the GPU, through the bridge)
+    where torch is installed, else "xla" (docs/install.md, "Backends", says why). Every other
+    choice is itself (deep_gemm on a CPU is the resolver's to refuse, jax_dg.core.dispatch)."""
     if backend == "auto":
-        return "deep_gemm" if platform == "cuda" else "torch"
+        if platform == "cuda":
+            return "deep_gemm"
+        return "torch" if optional.has_torch() else "xla"
     return backend

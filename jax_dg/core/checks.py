@@ -17,6 +17,10 @@ class UnsupportedArchError(RuntimeError):
     JAX_DG_BACKEND=torch or xla runs its reference instead)."""
 
 
+class UnsupportedBackendError(RuntimeError):
+    """The backend asked for cannot run here (DeepGEMM on a machine without a CUDA device)."""
+
+
 class NotDifferentiableError(TypeError):
     """jax.grad / jvp / vjp reached a jax_dg op that has no derivative rule (raised while
     tracing, naming the op and what is differentiable instead)."""

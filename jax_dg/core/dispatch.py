@@ -9,7 +9,8 @@ the trace resolved (`symbols`, the one place that looks them up).
     "deep_gemm" DeepGEMM's kernel through the bridge (DLPack views, XLA's stream)
     "torch"     the torch emulation of DeepGEMM's kernel through the same bridge
     "native"    jax_dg's own kernel: a typed XLA FFI handler (C++; CUDA or its CPU twin)
-    "xla"       no custom call: the pure-JAX reference is traced in place of the op
+    "xla"       no custom call: the pure-JAX reference is traced in place of the op (asked
+                for, or auto off CUDA where torch is not installed)
     "raises"    nothing runs: `error` is raised while tracing
 """
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jax_dg.backends import deep_gemm
+from jax_dg.backends import deep_gemm, optional
 from jax_dg.core import backend as selection
 from jax_dg.core import native
-from jax_dg.core.checks import UnsupportedArchError
+from jax_dg.core.checks import UnsupportedArchError, UnsupportedBackendError
 from jax_dg.core.device import Target
 
 
@@ -86,20 +87,30 @@ def resolve(op, given: Sequence[str], t: Target, requested: str | None = None) -
 
 def _resolve(op, given: Sequence[str], t: Target, requested: str) -> Dispatch:
     if requested == "xla":
-        return Dispatch("xla", f"pure-JAX reference ({selection.ENV}=xla)")
+        return Dispatch("xla", f"pure-JAX reference ({selection.asked_by(requested)})")
     mine = f" + jax_dg's {', '.join(op.own_kernels)}" if op.own_kernels else ""
     if op.native is not None:
         where = "CUDA" if t.platform == "cuda" else f"its C++ twin on {t.platform}"
         return Dispatch("native", f"jax_dg's own kernel {', '.join(op.own_kernels)} ({where})",
                         graph=t.platform == "cuda")
+    if t.backend == "xla":   # auto, off CUDA, without torch
+        return Dispatch("xla", f"pure-JAX reference ({t.platform}, no torch: "
+                        f"pip install '{optional.EXTRA}' for the emulation through the bridge)")
+    if t.platform != "cuda" and t.backend == "deep_gemm":
+        return Dispatch("raises", "DeepGEMM needs a CUDA device", error=UnsupportedBackendError(
+            f"jax_dg: {selection.asked_by(requested)} runs DeepGEMM, which needs a CUDA device; this call "
+            f"runs on {t.platform}. There use_backend('auto') (the torch emulation, or the "
+            "pure-JAX reference without torch), 'torch' or 'xla'."))
+    if not optional.has_torch():   # the emulation, and DeepGEMM (a torch extension)
+        what = "the torch emulation" if t.backend == "torch" else "DeepGEMM"
+        return Dispatch("raises", "torch is not installed", error=optional.MissingTorchError(
+            f"jax_dg: `{op.name}` runs {what} through the bridge ({selection.asked_by(requested)}), which "
+            f"needs torch; {optional.HINT}. Without torch, use_backend('xla') runs the pure-JAX "
+            "reference."))
     if t.backend == "torch":
         why = ("torch emulation through the bridge" +
-               (f" ({selection.ENV}=torch)" if requested == "torch" else f" ({t.platform}: no CUDA device)"))
+               (f" ({selection.asked_by(requested)})" if requested == "torch" else f" ({t.platform}: no CUDA device)"))
         return Dispatch("torch", why + mine, graph="torch" in op.graph_safe)
-    if t.platform != "cuda":
-        return Dispatch("raises", "DeepGEMM needs a CUDA device", error=RuntimeError(
-            f"{selection.ENV}=deep_gemm needs a CUDA device; this call runs on {t.platform}. "
-            f"Use {selection.ENV}=auto (torch emulation on CPU)."))
     archs = needs(op, given)
     if t.arch not in archs:
         with_args = [a for a in given if a in op.arg_archs]

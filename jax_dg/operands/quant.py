@@ -34,6 +34,10 @@ def check_cast(name: str, x, use_ue8m0, gran_k) -> tuple[bool, int]:
     """The quantisers' checks: x a floating [m, n]; (use_ue8m0, gran_k) as static values."""
     ck = Checker(name)
     ck.floating(x, "x")
+    ck.that(len(getattr(x, "shape", ())) != 3, "x",
+            f"must be 2-D [m, n]: for grouped operands ([G, m, n], e.g. experts' weights) map it "
+            f"over the groups, jax.vmap(jax_dg.{name})(x), which gives values [G, m, n] and scales "
+            f"with a leading G (docs/api.md, \"Grouped operands\")", getattr(x, "shape", None))
     ck.ndim(x, "x", 2, "[m, n]")
     return ck.static_bool(use_ue8m0, "use_ue8m0"), ck.static_int(gran_k, "gran_k", minimum=1)
 
@@ -80,3 +84,7 @@ def calc_diff(x, y):
     x, y = x.astype(np.float64).ravel(), y.astype(np.float64).ravel()
     den = float(np.dot(x, x) + np.dot(y, y))  # dots: no temporaries the size of the inputs
     return 0.0 if den == 0 else 1.0 - 2.0 * float(np.dot(x, y)) / den
+
+
+calc_diff.__jax_dg_runs__ = ("on the host in float64 (numpy) for concrete arrays, as DeepGEMM's; "
+                             "a jnp expression inside a trace")

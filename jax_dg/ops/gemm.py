@@ -254,10 +254,18 @@ def _fp8_public(storage: str, doc: str):
         ck.ndim(bv, "b[0]", 2, _grid_text(b_n, "N", "K"))
         ck.ndim(view_b, "b[1]", 2, "scales")
         n = bv.shape[1] if b_n else bv.shape[0]
-        if recipe is None:
+        inferred = recipe is None
+        if inferred:
             recipe = infer_recipe(n, view_b.shape[::-1] if b_n else view_b.shape)
         recipe = ck.recipe(recipe)
         out_dtype = OUT_DTYPE.get(recipe, "bfloat16") if out_dtype is None else ck.dtype_name(out_dtype, "out_dtype")
+        # per-token scales given for b (a common slip) are read as per-channel: say so
+        ck.that(not inferred or recipe != RECIPE_CHANNEL or c is not None, "c",
+                f"is required with recipe {RECIPE_CHANNEL} (d = c + a @ b.T, float32), which b's "
+                f"scales select: b[1] {tuple(view_b.shape)} holds one scale per row of b "
+                f"({_grid_text(b_n, 'N', 'ceil(K/128)')}, per channel, as per_token_cast_to_fp8 "
+                f"makes). Pass c, or quantise b per 128 x 128 block with per_block_cast_to_fp8 "
+                f"(scales {_grid_text(b_n, 'ceil(N/128)', 'ceil(K/128)')}) for the bfloat16 GEMM")
         phys_a, phys_b = _mn_major(storage, recipe)
         for sf, phys, arg in ((sfa, phys_a, "a[1]"), (sfb, phys_b, "b[1]")):
             ck.that(not isinstance(sf, MNMajor) or phys, arg, "is MN-major (MNMajor), which only "

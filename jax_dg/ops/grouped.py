@@ -206,16 +206,62 @@ M_GROUPED_BF16_CONTIGUOUS = Op(
 )
 
 
+# DeepGEMM's m-grouped contiguous kernels compute a block of A rows with the group id of its
+# first row (the scheduler reads grouped_layout[block * A]), and SM90's FP8 kernel skips each
+# 64-row slice whose first row is padding (a math warp group's is_computation_valid).
+SLICE = 64
+
+
+def _blocks_rule(alignment: int) -> str:
+    s = min(SLICE, alignment)
+    return (f"must give each routed row (id >= 0) the id of the first row of its block of "
+            f"A = get_mk_alignment_for_contiguous_layout() = {alignment} rows, and a routed first row "
+            f"to its {s}-row slice: DeepGEMM computes a block with the group of its first row and "
+            f"skips a slice that starts with padding (keep each group's rows contiguous from a "
+            f"multiple of A, padded with -1 to one)")
+
+
+def _blocks_kept(ids, alignment: int):
+    """Per row: whether DeepGEMM computes it with its own group, or it is padding (numpy or
+    jnp ids [M], M % alignment == 0)."""
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    s = min(SLICE, alignment)
+    r = xp.arange(ids.shape[0])
+    first, slice_first = ids[r // alignment * alignment], ids[r // s * s]
+    return (ids < 0) | ((ids == first) & (slice_first >= 0))
+
+
+def _static_row_ids(ck: Checker, ids, alignment: int):
+    """Per-row ids known while tracing (numpy, lists): a layout DeepGEMM would compute other
+    than written is an ArgumentError (traced ids: under `checked()`, in _contiguous)."""
+    if isinstance(ids, jax.core.Tracer) or isinstance(ids, jax.Array):
+        return
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] % alignment:
+        return   # the shape function names the shape, dtype or length
+    bad = np.flatnonzero(~_blocks_kept(ids, alignment))
+    ck.that(bad.size == 0, "grouped_layout", _blocks_rule(alignment),
+            f"rows {bad[:4].tolist()} holding {ids[bad[:4]].tolist()}")
+
+
 def _contiguous(op, ck, arrays, num_groups, grouped_layout, clean, compiled_dims=None):
     clean = ck.static_bool(clean, "clean")
+    alignment = get_mk_alignment_for_contiguous_layout()
+    _static_row_ids(ck, grouped_layout, alignment)
+    grouped_layout = jnp.asarray(grouped_layout)
     ck.dtype(grouped_layout, "grouped_layout", I32)   # before the select below reads it as ints
     # Ids outside [-1, G) become padding (-1), with or without `clean`: DeepGEMM would read
     # past b for ids >= G. A select on the [M] ids, fused.
-    values.require(ck.op, "grouped_layout", (grouped_layout >= -1) & (grouped_layout < num_groups),
-                   f"must hold group ids in [0, G = {num_groups}) or -1 (padding)", grouped_layout)
+    grouped_layout = values.require(ck.op, "grouped_layout",
+                                    (grouped_layout >= -1) & (grouped_layout < num_groups),
+                                    f"must hold group ids in [0, G = {num_groups}) or -1 (padding)",
+                                    grouped_layout)
     grouped_layout = jnp.where((grouped_layout >= 0) & (grouped_layout < num_groups), grouped_layout, -1)
-    (d,) = op(*arrays, grouped_layout, mk_alignment=get_mk_alignment_for_contiguous_layout(),
-              clean=clean, compiled_dims=compiled_dims)
+    # A layout off the blocks is in range, so it is not changed: DeepGEMM computes it its own way
+    # (docs/api.md, "Grouped layouts"); under checked() it raises instead.
+    grouped_layout = values.require(ck.op, "grouped_layout", _blocks_kept(grouped_layout, alignment),
+                                    _blocks_rule(alignment), grouped_layout, rows=True)
+    (d,) = op(*arrays, grouped_layout, mk_alignment=alignment, clean=clean, compiled_dims=compiled_dims)
     return d
 
 
@@ -236,8 +282,12 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, grouped_layout, *, clean: bool = True
     A = get_mk_alignment_for_contiguous_layout(), 128 unless set): each group's rows are
     contiguous, start at a multiple of A and are padded with -1 rows to a multiple of A (so
     M % A == 0); groups may come in any order and may be empty. A is read while tracing and
-    DeepGEMM is set to it when the kernel runs. Rows of a layout that breaks it are not
-    computed as written. K % 16 == 0, N % 8 == 0.
+    DeepGEMM is set to it when the kernel runs. Padding inside a group's block is allowed; a
+    layout that DeepGEMM would compute other than written (a routed row whose id differs from
+    its block's first row, or in a 64-row slice that opens with padding) is an ArgumentError
+    when known while tracing and raises under `jax_dg.checked()`; otherwise the GPU computes
+    it block-wise while the CPU backends compute each row with its own id (docs/api.md,
+    "Grouped-contiguous layouts"). K % 16 == 0, N % 8 == 0.
     Ids outside [-1, G) are treated as padding (-1) before DeepGEMM reads them (always: it
     does not check them); under `jax_dg.checked()` they raise instead, naming grouped_layout.
     clean=True (default): padding rows are 0 in d; jax_dg's kernel writes only the padding
@@ -356,8 +406,8 @@ def _masked(op, ck, arrays, max_m, masked_m, expected_m, clean, compiled_dims=No
     ck.dtype(masked_m, "masked_m", I32)               # before the clip below reads it as ints
     # DeepGEMM runs ceil(masked_m / BLOCK_M) blocks: keep it inside [0, Mmax], with or without
     # `clean` (a clip on the [G] counts, fused).
-    values.require(ck.op, "masked_m", (masked_m >= 0) & (masked_m <= max_m),
-                   f"must lie in [0, Mmax = {max_m}]", masked_m)
+    masked_m = values.require(ck.op, "masked_m", (masked_m >= 0) & (masked_m <= max_m),
+                              f"must lie in [0, Mmax = {max_m}]", masked_m)
     masked_m = jnp.clip(masked_m, 0, max_m)
     (d,) = op(*arrays, masked_m, expected_m=expected_m, clean=clean,
               compiled_dims=ck.compiled_dims(compiled_dims))
@@ -601,10 +651,11 @@ def _psum_contiguous(op, ck, arrays, m: int, grouped_layout, clean, expected_m, 
     # data, with or without `clean` (as the per-row ids): end rows clipped to [0, M] and to
     # their running maximum (a decreasing entry makes that group empty), so DeepGEMM never runs
     # past a or d. A scan over the [G] offsets.
-    values.require(ck.op, "grouped_layout",
-                   (grouped_layout >= 0) & (grouped_layout <= m)
-                   & (grouped_layout >= jax.lax.cummax(grouped_layout, axis=0)),
-                   f"(psum) must hold non-decreasing end rows in [0, M = {m}]", grouped_layout)
+    grouped_layout = values.require(ck.op, "grouped_layout",
+                                    (grouped_layout >= 0) & (grouped_layout <= m)
+                                    & (grouped_layout >= jax.lax.cummax(grouped_layout, axis=0)),
+                                    f"(psum) must hold non-decreasing end rows in [0, M = {m}]",
+                                    grouped_layout)
     grouped_layout = jax.lax.cummax(jnp.clip(grouped_layout, 0, m), axis=0)
     (d,) = op(*arrays, grouped_layout, mk_alignment=a_, use_psum_layout=True, expected_m=expected_m,
               compiled_dims=compiled_dims)

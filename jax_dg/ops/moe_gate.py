@@ -139,16 +139,17 @@ def _sanitise(ck: Checker, weight, fix, unmapped, to_physical_map, logical_count
     if fix is not None and unmapped is not None and hasattr(fix, "shape") and \
             fix.shape == unmapped.shape[:1] and jnp.dtype(fix.dtype) == jnp.bool_:
         row_ok = jnp.all((unmapped >= 0) & (unmapped < e), axis=1)
-        values.require(ck.op, "unmapped_topk_idx", ~fix | row_ok,
-                       f"must hold expert ids in [0, E = {e}) in the rows of fix_routing_mask")
+        row_ok = values.require(ck.op, "unmapped_topk_idx", ~fix | row_ok,
+                                f"must hold expert ids in [0, E = {e}) in the rows of fix_routing_mask",
+                                carry=row_ok)
         fix = fix & row_ok
         unmapped = jnp.clip(unmapped, 0, e - 1)
     if logical_count is not None and to_physical_map is not None and \
             getattr(to_physical_map, "ndim", 0) == 2 and getattr(logical_count, "ndim", 0) == 1:
         dup = max(1, to_physical_map.shape[1])
         ck.dtype(logical_count, "logical_count", jnp.int32)
-        values.require(ck.op, "logical_count", (logical_count >= 1) & (logical_count <= dup),
-                       f"must lie in [1, num_duplicates = {dup}]", logical_count)
+        logical_count = values.require(ck.op, "logical_count", (logical_count >= 1) & (logical_count <= dup),
+                                       f"must lie in [1, num_duplicates = {dup}]", logical_count)
         logical_count = jnp.clip(logical_count, 1, dup)
     return fix, unmapped, logical_count
 

@@ -359,7 +359,8 @@ def paged_arguments(name, t: device.Target, q, kv_cache, weights, context_lens, 
     raw = context_lens if context_lens.ndim == 1 else context_lens[:, -1]
     given = jnp.maximum(raw, 0)[:, None]
     if values.checking():
-        _require_in_range(name, given, block_tables, nb, blk, limit)
+        context_lens, block_tables = _require_in_range(name, context_lens, given, block_tables, nb,
+                                                       blk, limit)
     bounded = schedule_metadata is not None and indices is None and next_n <= 2 and _walk_known(t)
     if bounded:   # the schedule's keys (row, split) count in int32
         ck.that((b + 1) * (contracts.cdiv(limit, contracts.SPLIT_KV) + 1) < 2 ** 31, "schedule_metadata",
@@ -369,8 +370,8 @@ def paged_arguments(name, t: device.Target, q, kv_cache, weights, context_lens, 
     ctx, block_tables, *fixed = PAGED_SANITISE(context_lens, block_tables, sched, target=t,
                                                one_d=context_lens.ndim == 1, **static)
     if indices is not None:   # request ids of the varlen form: addresses too
-        values.require(name, "indices", (indices >= 0) & (indices < b), f"must lie in [0, B = {b})",
-                       indices)
+        indices = values.require(name, "indices", (indices >= 0) & (indices < b),
+                                 f"must lie in [0, B = {b})", indices)
         indices = jnp.clip(indices, 0, b - 1)
     if schedule_metadata is not None:
         schedule_metadata = _trusted_schedule(name, schedule_metadata, given, ctx, indices, slots,
@@ -381,16 +382,20 @@ def paged_arguments(name, t: device.Target, q, kv_cache, weights, context_lens, 
             dict(max_model_len=max_model_len, slots=slots))
 
 
-def _require_in_range(name: str, given, block_tables, num_blocks: int, blk: int, limit: int):
+def _require_in_range(name: str, context_lens, given, block_tables, num_blocks: int, blk: int,
+                      limit: int):
     """Checked mode (jax_dg.checked): an out-of-range entry among a request's blocks, or a
-    length above `limit` = min(max_model_len, max_blocks * block_size), raises."""
+    length above `limit` = min(max_model_len, max_blocks * block_size), raises. Returns
+    (context_lens, block_tables) through the checks."""
     bad = (block_tables < 0) | (block_tables >= num_blocks)
     used = jnp.arange(block_tables.shape[1], dtype=I32)[None, :] < (given + blk - 1) // blk
-    values.require(name, "block_tables", ~(bad & used),
-                   f"entries of a request's blocks (the first ceil(context_len / {blk})) must lie "
-                   f"in [0, num_blocks = {num_blocks})", block_tables)
-    values.require(name, "context_lens", given <= limit, f"must be <= {limit} (max_model_len and "
-                   "max_blocks * block_size)", given)
+    block_tables = values.require(
+        name, "block_tables", ~(bad & used), f"entries of a request's blocks (the first "
+        f"ceil(context_len / {blk})) must lie in [0, num_blocks = {num_blocks})", block_tables)
+    context_lens = values.require(name, "context_lens", given <= limit, f"must be <= {limit} "
+                                  "(max_model_len and max_blocks * block_size)", given,
+                                  carry=context_lens)
+    return context_lens, block_tables
 
 
 def _trusted_schedule(name, given_meta, given_last, ctx, indices, slots, bounded):
@@ -406,9 +411,12 @@ def _trusted_schedule(name, given_meta, given_last, ctx, indices, slots, bounded
             return ref.paged_mqa_logits_metadata(lens, num_sms=slots)
         return ref.paged_mqa_logits_varlen_metadata(lens, indices, num_sms=slots)
     if values.checking():
-        values.require(name, "schedule_metadata", jnp.all(given_meta == schedule(given_last))[None],
-                       "must be get_paged_mqa_logits_metadata(context_lens, block_size) of these "
-                       "context_lens")
+        # carried by the schedule the call goes on with, so that XLA keeps the check
+        checked = values.require(
+            name, "schedule_metadata", jnp.all(given_meta == schedule(given_last))[None],
+            "must be get_paged_mqa_logits_metadata(context_lens, block_size) of these context_lens",
+            carry=given_meta if bounded is None else bounded)
+        given_meta, bounded = (checked, None) if bounded is None else (given_meta, checked)
     if bounded is not None:
         return bounded
     return jnp.where(jnp.all(ctx[:, -1:] == given_last), given_meta, schedule(ctx))

@@ -122,13 +122,13 @@ def topk_indices(logits: jax.Array, k: int, *, offsets: jax.Array | None = None,
     if offsets is not None:
         ck.tensor(offsets, "offsets", [I32], (logits.shape[0],) if logits.ndim == 2 else (), "[M]")
     sorted = _check_sorted(ck, sorted)
-    call = TOPK.bind(logits, ks, ke, k=k, sorted=sorted)
     # The kernel clamps [ks, ke) to [0, N) itself (kernels/topk.cu): checked mode only.
     if ks is not None:
-        values.require("topk_indices", "ks", ks >= 0, "must be >= 0 (a column)", ks)
+        ks = values.require("topk_indices", "ks", ks >= 0, "must be >= 0 (a column)", ks)
     if ke is not None:
         n = logits.shape[1]
-        values.require("topk_indices", "ke", ke <= n, f"must be <= N = {n} (columns)", ke)
+        ke = values.require("topk_indices", "ke", ke <= n, f"must be <= N = {n} (columns)", ke)
+    call = TOPK.bind(logits, ks, ke, k=k, sorted=sorted)
     if 0 in logits.shape:
         idx = jnp.full((logits.shape[0], k), -1, I32)
     else:

@@ -10,7 +10,7 @@ producer: on CUDA the producer's pending work is ordered before the consumer's b
 wait (an event), never by a device synchronisation. FP8 tensors keep their dtype
 (float8_e4m3fn / float8_e5m2); where this jax/torch pair cannot exchange FP8 by DLPack, the
 bytes travel as uint8 and are re-typed (one device copy on the JAX side, said in a warning).
-Tensors that require grad are detached (JAX has its own autodiff) and non-contiguous tensors
+torch is imported on first use (the `torch` extra). Tensors that require grad are detached (JAX has its own autodiff) and non-contiguous tensors
 are made contiguous (a copy): both are said in a warning, once per kind.
 
 jax_dg ops take jax.Arrays only: a torch tensor handed to one raises `ArgumentError` pointing
@@ -19,15 +19,28 @@ here.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import torch
 
-_FP8 = {torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.float8_e5m2: jnp.float8_e5m2}
+from jax_dg.backends import optional
+from jax_dg.core.checks import is_torch_tensor as _is_tensor
+
 _warned: set[str] = set()
+
+
+def _torch():
+    """torch, imported on first use (the `torch` extra)."""
+    return optional.torch("jax_dg.interop")
+
+
+@functools.cache
+def _fp8() -> dict:
+    torch = _torch()
+    return {torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.float8_e5m2: jnp.float8_e5m2}
 
 
 def _note(kind: str, message: str) -> None:
@@ -36,9 +49,10 @@ def _note(kind: str, message: str) -> None:
         warnings.warn(f"jax_dg.tools.interop: {message}", stacklevel=3)
 
 
-def to_jax(tensor: torch.Tensor) -> jax.Array:
+def to_jax(tensor) -> jax.Array:
     """The tensor as a jax.Array on the same device, sharing its memory (see the module doc for
     the cases that copy or detach)."""
+    torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"jax_dg.tools.interop.to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.requires_grad:
@@ -52,32 +66,29 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
     try:
         return jax.dlpack.from_dlpack(tensor)
     except (TypeError, ValueError, RuntimeError, BufferError):
-        if tensor.dtype not in _FP8:
+        if tensor.dtype not in _fp8():
             raise
     _note("fp8", "this jax/torch pair exchanges no FP8 by DLPack: the bytes travel as uint8 "
           "and are re-typed on the JAX side (one device copy)")
     raw = jax.dlpack.from_dlpack(tensor.view(torch.uint8))
-    return jax.lax.bitcast_convert_type(raw, _FP8[tensor.dtype])
+    return jax.lax.bitcast_convert_type(raw, _fp8()[tensor.dtype])
 
 
-def to_torch(array: jax.Array) -> torch.Tensor:
+def to_torch(array: jax.Array):
     """The array as a torch.Tensor on the same device, sharing its memory. Do not write to it:
     XLA may share or reuse an array's buffer as it sees fit."""
+    torch = _torch()
     if not isinstance(array, jax.Array):
         raise TypeError(f"jax_dg.tools.interop.to_torch: expected a jax.Array, got {type(array).__name__}")
     try:
         return torch.from_dlpack(array)
     except (TypeError, ValueError, RuntimeError, BufferError):
-        fp8 = {v: k for k, v in _FP8.items()}.get(jnp.dtype(array.dtype).type)
+        fp8 = {v: k for k, v in _fp8().items()}.get(jnp.dtype(array.dtype).type)
         if fp8 is None:
             raise
     _note("fp8", "this jax/torch pair exchanges no FP8 by DLPack: the bytes travel as uint8 "
           "(one device copy on the JAX side) and are re-typed on the torch side")
     return torch.from_dlpack(jax.lax.bitcast_convert_type(array, jnp.uint8)).view(fp8)
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
 
 
 def torch_callable(fn: Callable) -> Callable:

@@ -47,7 +47,7 @@ class Variant:
     op: str
     static: dict
     inputs: dict          # argument name -> "dtype[shape]"
-    kind: str             # "deep_gemm" (JIT-compiled), "reference" (the torch emulation:
+    kind: str             # "deep_gemm" (JIT-compiled), "emulated" (the torch emulation:
                           # nothing to compile); jax_dg's own kernels are built at install
                           # and are not call sites here
     status: str = "pending"   # "compiled", "cached", "skipped" (nothing to compile)
@@ -67,7 +67,7 @@ class Variant:
             return f"compiled {len(self.kernels)} kernel(s) in {self.seconds:.2f} s: {names}"
         if self.status == "cached":
             return f"cache hit ({self.seconds:.2f} s)"
-        return {"reference": "torch emulation: nothing to compile"}.get(self.kind, self.status)
+        return {"emulated": "torch emulation: nothing to compile"}.get(self.kind, self.status)
 
 
 @dataclasses.dataclass
@@ -195,7 +195,7 @@ def _avals(xs) -> tuple:
 def _kind(backend: str) -> str:
     """What warm-up does for a bridge call, from its record's backend (resolved at trace time
     by jax_dg.core.dispatch): "deep_gemm" compiles; the torch emulation has nothing to."""
-    return "deep_gemm" if backend == "deep_gemm" else "reference"
+    return "deep_gemm" if backend == "deep_gemm" else "emulated"
 
 
 def call_sites(fn: Callable, *args, **kwargs) -> tuple[list[Variant], int]:
@@ -294,8 +294,8 @@ def warmup(fn: Callable, /, *example_args, run_fn: bool = False, progress: str =
     and every other argument (ints, strings, ...) is passed as it is. Warm-up's own options are
     `run_fn` (afterwards run fn once on the example arguments, which must then be arrays: XLA's
     compile of fn itself), `progress` ("auto", "bar", "lines", "off") and `log`; every other
-    keyword goes to fn. On CPU (the torch emulation) there is nothing to compile: it says so and
-    lists the call sites.
+    keyword goes to fn. On CPU (the torch emulation) there is nothing to compile: it says so in
+    one line naming the ops (the Report lists the variants).
     """
     if progress not in PROGRESS:
         raise ValueError(f"progress={progress!r}: choose one of {', '.join(PROGRESS)}")
@@ -304,6 +304,17 @@ def warmup(fn: Callable, /, *example_args, run_fn: bool = False, progress: str =
     report = Report(platform=device.platform(), backend=selection.requested(),
                     cache_dir=cache_dir(), variants=variants, sites=sites)
     bar = _Progress(out, len(variants), progress)
+    if not any(v.kind == "deep_gemm" for v in variants):
+        # nothing to compile (the emulation, or no call site): one line, no variant listing
+        # (str(report) and report.variants have them)
+        for v in variants:
+            v.status = "skipped"
+        ops = sorted({v.op for v in variants})
+        bar.say(f"jax_dg warm-up (platform {report.platform}, JAX_DG_BACKEND={report.backend}): "
+                f"{report.summary()}" + (f" ({', '.join(ops)})" if ops else ""))
+        if run_fn:
+            _run_once(fn, example_args, kwargs, report, bar)
+        return report
     bar.say(_header(report))
     for i, v in enumerate(variants, 1):
         if v.kind != "deep_gemm":
@@ -317,12 +328,17 @@ def warmup(fn: Callable, /, *example_args, run_fn: bool = False, progress: str =
             v.status = "compiled" if v.kernels else "cached"
         bar.done(i, v)
     if run_fn:
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((example_args, kwargs))):
-            raise ValueError("warmup(run_fn=True) runs fn on the example arguments: give arrays, "
-                             "not ShapeDtypeStructs")
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*example_args, **kwargs))
-        report.run_seconds = time.perf_counter() - t0
-        bar.say(f"  first run of the function: {report.run_seconds:.2f} s")
+        _run_once(fn, example_args, kwargs, report, bar)
     bar.say(report.summary())
     return report
+
+
+def _run_once(fn, example_args, kwargs, report: Report, bar: _Progress) -> None:
+    """warmup(run_fn=True): fn's first run (XLA's compile of fn itself), timed."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((example_args, kwargs))):
+        raise ValueError("warmup(run_fn=True) runs fn on the example arguments: give arrays, "
+                         "not ShapeDtypeStructs")
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*example_args, **kwargs))
+    report.run_seconds = time.perf_counter() - t0
+    bar.say(f"  first run of the function: {report.run_seconds:.2f} s")

@@ -43,10 +43,12 @@ def test_on_cpu_nothing_compiles_and_the_call_sites_are_listed(example):
     assert "no kernels to compile" in text and "torch emulation on cpu" in text
     assert report.sites == 1 and [v.op for v in report.variants] == ["indexer_topk"]
     v = report.variants[0]
-    assert v.kind == "reference" and v.status == "skipped" and v.static["k"] == 32
+    assert v.kind == "emulated" and v.status == "skipped" and v.static["k"] == 32
     assert v.inputs["q"] == "float8_e4m3fn[48,64,128]" and v.inputs["cu_seqlen_ke"] == "int32[48]"
-    assert v.label() in text and "DG_JIT_CACHE_DIR" in text and report.cache_dir in text
+    # one line naming the ops, not every variant's signature (the report has those)
+    assert len(text.splitlines()) == 1 and "(indexer_topk)" in text and v.label() not in text
     assert "no kernels to compile" in report.summary() and report.summary() in str(report)
+    assert v.label() in str(report) and report.cache_dir in str(report)
 
 
 def test_jitted_and_plain_functions_kwargs_and_repeated_sites(example):
@@ -157,7 +159,7 @@ def test_cli_warmup_of_the_example(capsys):
     assert out.splitlines() == [
         f"{job}: no kernels to compile: 1 variant(s) at 1 jax_dg call site(s), they run the torch "
         "emulation on cpu" for job in ("indexer step", "indexer step, unsorted", "mqa_logits")]
-    assert "== indexer step" in err and "indexer_topk(q: float8_e4m3fn[48,64,128]" in err
+    assert err == ""   # nothing compiles on CPU: the summaries say it once, no progress
     assert cli.main(["warmup", "--json", "--progress", "off", "examples/indexer_topk.py", *SIZES]) == 0
     reports = json.loads(capsys.readouterr().out)
     assert [r["job"] for r in reports] == ["indexer step", "indexer step, unsorted", "mqa_logits"]
