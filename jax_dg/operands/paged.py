@@ -31,7 +31,7 @@ from jax_dg.operands.quant import FP8, cast_with_scale, scale_for
 __all__ = [
     "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
     "kv_cache_from_rows", "kv_cache_from_sequences", "update_kv_cache", "slot_mapping",
-    "build_block_tables",
+    "decode_slots", "build_block_tables",
 ]
 
 
@@ -207,6 +207,29 @@ def _slot_mapping(block_tables: jax.Array, block_size: int, seq_len: int) -> jax
     t = jnp.arange(seq_len, dtype=jnp.int32)
     blocks = block_tables[:, jnp.minimum(t // block_size, block_tables.shape[1] - 1)]
     return blocks * block_size + t % block_size
+
+
+def decode_slots(block_tables: jax.Array, context_lens: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """A decode step's writes: (int32 [B] the cache slot of each sequence's next token, at
+    position context_lens[b]; int32 [B] the lengths after it). A sequence whose table is full
+    (context_lens[b] >= max_blocks * block_size) gets slot -1 (update_kv_cache drops it: its
+    slot would wrap into another sequence's block) and keeps its length. Every cache of one
+    set of block tables (the indexer's keys, the attention's latent) writes through these."""
+    ck = Checker("decode_slots")
+    _check_table(ck, block_tables)
+    ck.integer(context_lens, "context_lens")
+    ck.shape(context_lens, "context_lens", block_tables.shape[:1], "[B]")
+    return _decode_slots(block_tables, context_lens, ck.static_int(block_size, "block_size", minimum=1))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _decode_slots(block_tables: jax.Array, context_lens: jax.Array, block_size: int):
+    pos = context_lens.astype(jnp.int32)
+    room = pos < block_tables.shape[1] * block_size
+    block = jnp.take_along_axis(block_tables, jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)[:, None],
+                                axis=1)[:, 0]
+    slots = jnp.where(room, block * block_size + pos % block_size, -1)
+    return slots.astype(jnp.int32), jnp.where(room, pos + 1, pos)
 
 
 def kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: int, num_blocks: int,

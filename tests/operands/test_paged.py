@@ -133,6 +133,15 @@ def test_slot_mapping():
                                   [[28, 29, 30, 31, 8, 9]])
 
 
+def test_decode_slots():
+    """The next token's slot through the table; a full table writes nothing and keeps its length."""
+    table = jnp.array([[7, 2], [5, 0], [3, 4]], jnp.int32)
+    slots, lens = paged.decode_slots(table, jnp.array([5, 0, 8], jnp.int32), 4)
+    assert slots.tolist() == [2 * 4 + 1, 5 * 4, -1] and lens.tolist() == [6, 1, 8]
+    with pytest.raises(ValueError, match="context_lens"):
+        paged.decode_slots(table, jnp.zeros((2,), jnp.int32), 4)
+
+
 @pytest.mark.parametrize("blk", [32, 64])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_build_block_tables(blk, shuffle):
