@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import typing as tp
+
+from jax_dg.nn.rope import RoPE
 
 # DeepSeek's inference ModelArgs defaults for what its config_671B_v3.2.json leaves out.
 _DEEPSEEK_DEFAULTS = {"max_seq_len": 4096 * 4, "original_seq_len": 4096, "rope_theta": 10000.0,
@@ -131,17 +132,24 @@ class DeepSeekV32Config:
     @property
     def yarn(self) -> bool:
         """Whether RoPE is YaRN-scaled: rope_scaling given and max_seq_len beyond its original length."""
-        return (self.rope_scaling is not None
-                and self.max_seq_len > self.rope_scaling.original_max_position_embeddings)
+        return self.rope.yarn
 
     @property
     def softmax_scale(self) -> float:
         """The attention's softmax scale: qk_head_dim^-1/2, times YaRN's mscale squared."""
-        scale = self.qk_head_dim ** -0.5
-        if self.yarn:
-            m = 0.1 * self.rope_scaling.mscale * math.log(self.rope_scaling.factor) + 1.0
-            scale *= m * m
-        return scale
+        return self.rope.softmax_scale(self.qk_head_dim)
+
+    @property
+    def rope(self) -> RoPE:
+        """The rotary embedding of qk_rope_head_dim features (MLA's and the indexer's), YaRN's
+        as rope_scaling and max_seq_len say (jax_dg.nn.rope)."""
+        rs = self.rope_scaling
+        if rs is None:
+            return RoPE(dim=self.qk_rope_head_dim, theta=self.rope_theta, max_seq_len=self.max_seq_len,
+                        original_seq_len=self.max_seq_len)
+        return RoPE(dim=self.qk_rope_head_dim, theta=self.rope_theta, max_seq_len=self.max_seq_len,
+                    original_seq_len=rs.original_max_position_embeddings, factor=rs.factor,
+                    beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=rs.mscale)
 
     @property
     def use_ue8m0(self) -> bool:

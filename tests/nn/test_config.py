@@ -33,8 +33,12 @@ def test_both_files_of_the_shipped_model_agree():
 
 
 def test_yarn_only_past_the_original_length():
+    from jax_dg.nn.rope import RoPE
+    assert load_config(HF_V32_CONFIG).rope == RoPE(dim=64, theta=10000.0, max_seq_len=163840,
+                                                   original_seq_len=4096, factor=40.0, beta_fast=32.0,
+                                                   beta_slow=1.0, mscale=1.0)
     c = load_config(HF_V32_CONFIG, max_seq_len=4096)
-    assert not c.yarn and c.softmax_scale == 192 ** -0.5
+    assert not c.yarn and not c.rope.yarn and c.softmax_scale == 192 ** -0.5
     assert not load_config({**HF_V32_CONFIG, "rope_scaling": None}).yarn
 
 
