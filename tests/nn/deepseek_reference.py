@@ -99,3 +99,45 @@ def moe(x, gate_args, experts, shared, scale_fmt=None) -> np.ndarray:
     if shared is not None:
         y += mlp(x, *shared, scale_fmt)
     return bf16(y)
+
+
+# --- the indexer (model.py's Indexer, after DeepSeek's November 2025 RoPE fix) -----------------
+
+def hadamard(d: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix times d^-1/2 (fast_hadamard_transform's order and scale)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(d)
+
+
+def rope_half(x: np.ndarray, angles: np.ndarray) -> np.ndarray:
+    """apply_rotary_emb(x, freqs_cis, interleaved=False): pairs (i, i + D/2) of x [T, ..., D]
+    rotated by angles [T, D/2] (float32 angles, as DeepSeek's table holds them)."""
+    d = x.shape[-1]
+    a = angles.astype(np.float64).reshape(angles.shape[:1] + (1,) * (x.ndim - 2) + angles.shape[1:])
+    z = (x[..., : d // 2] + 1j * x[..., d // 2:]) * np.exp(1j * a)
+    return np.concatenate([z.real, z.imag], -1)
+
+
+def indexer_scores(x, qr, positions, p, *, inv_freq, n_heads, head_dim, scale_fmt=None):
+    """model.py's Indexer.forward on one sequence of T tokens at `positions`: the index scores
+    [T, T] (causal positions only, -inf elsewhere). p: wq_b and wk as (FP8 values, scales),
+    k_norm_weight, k_norm_bias, weights_proj (bf16 [H, dim]); inv_freq float32 [rope_dim / 2]."""
+    t = x.shape[0]
+    angles = (positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None]).astype(np.float32)
+    r = 2 * inv_freq.shape[0]
+    hd = hadamard(head_dim)
+    q = linear(qr, *p["wq_b"], scale_fmt).reshape(t, n_heads, head_dim)
+    q = bf16(np.concatenate([bf16(rope_half(q[..., :r], angles)), q[..., r:]], -1) @ hd)
+    k = linear(x, *p["wk"], scale_fmt).astype(np.float64)
+    mu, var = k.mean(-1, keepdims=True), k.var(-1, keepdims=True)
+    k = bf16((k - mu) / np.sqrt(var + 1e-6) * p["k_norm_weight"] + p["k_norm_bias"])
+    k = bf16(np.concatenate([bf16(rope_half(k[:, :r], angles)), k[:, r:]], -1) @ hd)
+    q8, qs = act_quant(q.reshape(t * n_heads, head_dim), scale_fmt)
+    k8, ks = act_quant(k, scale_fmt)
+    w = (np.asarray(x, np.float32) @ np.asarray(p["weights_proj"], np.float32).T).astype(np.float32)
+    w = (w * np.float32(n_heads ** -0.5)) * qs[:, 0].reshape(t, n_heads) * np.float32(head_dim ** -0.5)
+    dots = np.einsum("thd,sd->tsh", q8.astype(np.float64).reshape(t, n_heads, head_dim), k8.astype(np.float64))
+    scores = (np.maximum(dots, 0) * w[:, None, :].astype(np.float64)).sum(-1) * ks[None, :, 0]
+    return np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
