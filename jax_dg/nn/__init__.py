@@ -10,6 +10,8 @@
                        dropless (masked: differentiable, decode; contiguous: prefill), shared
                        experts (MLP, also the dense layers' SwiGLU); routed + shared in float32
     DeepSeekV32Config  the model's configuration from config.json or DeepSeek's own (load_config)
+    load_checkpoint    a checkpoint in DeepSeek's Hugging Face layout (sharded safetensors, FP8 +
+                       weight_scale_inv) into these modules, shard by shard, onto a mesh if given
     MLA                DeepSeek V3.2's multi-head latent attention over the indexer's top-k
                        (DeepSeek Sparse Attention): prefill and absorbed decode on a paged FP8
                        latent cache (MLACache)
@@ -32,9 +34,10 @@ from jax_dg.nn.indexer import IndexerCache, LightningIndexer
 from jax_dg.nn.config import DeepSeekV32Config, load_config
 from jax_dg.nn.gate import Gate, RouterBias
 from jax_dg.nn.linear import FP8Linear, StoredFP8, dequantize, quantize
+from jax_dg.nn.loader import CheckpointError, checkpoint_names, load_checkpoint
 from jax_dg.nn.moe import MLP, MoE
 from jax_dg.nn.rope import RoPE
 
 __all__ = ["FP8Linear", "LightningIndexer", "IndexerCache", "MLA", "MLACache", "MoE", "RoPE",
            "MLP", "Gate", "RouterBias", "StoredFP8", "quantize", "dequantize", "DeepSeekV32Config",
-           "load_config"]
+           "load_config", "load_checkpoint", "checkpoint_names", "CheckpointError"]
