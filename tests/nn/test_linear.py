@@ -148,3 +148,46 @@ def test_stored_weights_have_no_gradient_and_bad_arguments_are_named():
         nn.FP8Linear(100, 128, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="scale_fmt"):
         nn.FP8Linear(128, 128, scale_fmt="e8m0", rngs=nnx.Rngs(0))
+
+
+# --- GPU: stored FP8 weights on DeepGEMM -----------------------------------------------------------
+
+def torch_act_quant(x, ue8m0: bool):
+    """The per-token activation cast in torch: the scale max(amax, 1e-4) / 448, with UE8M0 rounded
+    up to a power of two on its bits (DeepSeek's kernel.py fast_round_scale); values x * (1 /
+    scale) (DeepGEMM's utils/math.py; DeepSeek's act_quant divides, the same with UE8M0)."""
+    import torch
+    m, k = x.shape
+    v = x.float().view(m, k // 128, 128)
+    sf = v.abs().amax(dim=2).clamp(min=1e-4) / 448.0
+    if ue8m0:
+        bits = sf.view(torch.int32)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+        sf = (exp << 23).view(torch.float32)
+    return (v * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, k), sf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 2112, 7168), (8, 576, 7168), (128, 24576, 1536), (4096, 7168, 2048)])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_gpu_stored_fp8_linear_is_deep_gemm_on_the_checkpoints_weight(m, n, k, scale_fmt):
+    """V3.2's projection shapes on a checkpoint's FP8 weight: the jitted layer is bitwise
+    deep_gemm's fp8_gemm_nt from torch on the same cast of x and the weight as stored."""
+    import deep_gemm
+    import torch
+    from tests.conftest import bits, digest, to_torch
+    values, scales = checkpoint_weight(n, k, scale_fmt is not None, seed=m)
+    layer = with_weight(nn.FP8Linear(k, n, fp8_weights=True, scale_fmt=scale_fmt, rngs=nnx.Rngs(0)), values, scales)
+    x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+    before = digest(x, layer.weight[...], layer.weight_scale_inv[...])
+    f = nnx.jit(lambda l, x: l(x))
+    y = f(layer, x)
+    a = torch_act_quant(to_torch(x), scale_fmt is not None)
+    d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    deep_gemm.fp8_gemm_nt(a, (to_torch(layer.weight[...]), to_torch(layer.weight_scale_inv[...])), d)
+    torch.cuda.synchronize()
+    assert bits(y) == d.cpu().view(torch.int16).numpy().tobytes()
+    assert all(bits(f(layer, x)) == bits(y) for _ in range(5))
+    assert digest(x, layer.weight[...], layer.weight_scale_inv[...]) == before
+    graph, state = nnx.split(layer)
+    assert_fp8_weights_read_as_stored(lambda s, x: nnx.merge(graph, s)(x), state, x)

@@ -5,6 +5,8 @@ routing; a capacity only when asked, with the dropped count; bf16 masters (train
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,3 +234,31 @@ def test_from_config():
     assert m.stored_fp8 and m.use_ue8m0 and m.gate.bias is not None and m.gate.route_scale == 2.5
     assert m.w13.shape == (16, 256, 256) and m.w13_scale_inv.shape == (16, 2, 2)
     assert m.shared.w13.weight.shape == (256, 256)
+
+
+# --- GPU: stored FP8 experts on DeepGEMM ------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def gpu_moe():
+    return nn.MoE(2048, 512, 64, 8, n_groups=8, topk_groups=4, route_scale=2.5, fp8_weights=True,
+                  scale_fmt="ue8m0", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, layout, skewed", [
+    (8, "auto", False), (8, "masked", True), (8, "contiguous", False),
+    (256, "auto", True), (256, "masked", False), (256, "contiguous", True)])
+def test_gpu_stored_moe_is_deepseeks(tokens, layout, skewed):
+    """DeepSeek's routing (64 experts, 8 groups, top-4 groups, top-8, a bias) at dim 2048 / inter
+    512 with UE8M0 scales, decode and prefill sizes, even and skewed routing (every token's first
+    choice expert 0): dropless, calc_diff <= 1e-4 against DeepSeek's model.py math (the issue's
+    target), the weights read only by DeepGEMM's grouped GEMMs."""
+    m = gpu_moe()
+    m.gate.bias[...] = (jnp.zeros((64,)).at[0].set(10.0) if skewed
+                        else jax.random.normal(jax.random.PRNGKey(7), (64,), jnp.float32) * 0.1)
+    x = jax.random.normal(jax.random.PRNGKey(tokens), (tokens, 2048), jnp.bfloat16)
+    y, dropped = nnx.jit(lambda m, x: m(x, layout=layout, return_dropped=True))(m, x)
+    assert int(dropped) == 0
+    assert jax_dg.calc_diff(np.asarray(y, np.float32), deepseek_moe(m, x)) < 1e-4
+    graph, state = nnx.split(m)
+    assert_fp8_weights_read_as_stored(lambda s, x: nnx.merge(graph, s)(x, layout=layout), state, x)
