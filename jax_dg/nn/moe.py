@@ -22,6 +22,8 @@ No assignment is ever dropped unless the caller asks for a capacity. Two grouped
                 dropless costs nothing there); it grows as E * T rows for long prefills, where
                 "contiguous" is the layout to use. `capacity=` (rows per expert, rounded up to
                 128) bounds it instead, and the call then returns how many assignments it dropped.
+                (On CPU, the torch emulation, dropless rows cost nothing measurable at the
+                example's sizes: 8 experts, T <= 256, 94-127 ms a call in either form.)
   "contiguous"  experts' rows back to back, each expert's padded to the mk alignment (m_grouped
                 contiguous GEMMs): T * topk rows plus at most alignment - 1 padding per expert
                 present, always dropless; forward only (no gradient).
