@@ -35,10 +35,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dg.nn.indexer import IndexerCache, LightningIndexer
-from jax_dg.nn.linear import FP8Linear
+from jax_dg.nn.linear import FP8Linear, check_scale_fmt, dequantize_blocks
 from jax_dg.nn.rope import RoPE
 from jax_dg.operands import paged
 from jax_dg.operands.quant import per_token_cast_to_fp8
+
+if tp.TYPE_CHECKING:
+    from jax_dg.nn.config import DeepSeekV32Config
 
 LATENT_BLOCK = 128   # the latent's FP8 scale blocks (DeepSeek's act_quant block size)
 
@@ -146,14 +149,16 @@ class MLA(nnx.Module):
     v_head_dim (v); q_lora_rank and kv_lora_rank (a multiple of 128) the low ranks; rope the
     rotary embedding (qk_rope_head_dim features; YaRN as it says); index_topk the positions the
     indexer keeps per query (-1: no indexer, every causal position), index_n_heads x
-    index_head_dim its heads; scale_fmt "ue8m0": the latent's FP8 scales are powers of two.
+    index_head_dim its heads; scale_fmt "ue8m0": every activation cast (the projections', the
+    latent's, the indexer's) takes power-of-two scales; fp8_weights: the projections hold FP8
+    weights as a checkpoint stores them (FP8Linear's).
     """
 
     def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int, kv_lora_rank: int = 512,
                  qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64, v_head_dim: int = 128,
                  rope: RoPE | None = None, index_topk: int = 2048, index_n_heads: int = 64,
                  index_head_dim: int = 128, scale_fmt: str | None = None, eps: float = 1e-6,
-                 param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+                 fp8_weights: bool = False, param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
         rope = RoPE(dim=qk_rope_head_dim) if rope is None else rope
         if rope.dim != qk_rope_head_dim:
             raise ValueError(f"MLA: `rope` rotates {rope.dim} features, `qk_rope_head_dim` is {qk_rope_head_dim}")
@@ -165,13 +170,11 @@ class MLA(nnx.Module):
                              f"query), got {q_lora_rank}")
         if index_topk == 0 or index_topk < -1:
             raise ValueError(f"MLA: `index_topk` must be positive or -1 (no indexer), got {index_topk}")
-        if scale_fmt not in (None, "ue8m0"):
-            raise ValueError(f"MLA: `scale_fmt` must be None or 'ue8m0', got {scale_fmt!r}")
         self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.rope, self.index_topk, self.use_ue8m0 = rope, index_topk, scale_fmt == "ue8m0"
+        self.rope, self.index_topk, self.use_ue8m0 = rope, index_topk, check_scale_fmt(scale_fmt, "MLA")
         self.softmax_scale = rope.softmax_scale(qk_nope_head_dim + qk_rope_head_dim)
-        lin = dict(param_dtype=param_dtype, rngs=rngs)
+        lin = dict(fp8_weights=fp8_weights, scale_fmt=scale_fmt, param_dtype=param_dtype, rngs=rngs)
         self.wq_a = FP8Linear(dim, q_lora_rank, **lin)
         self.q_norm = nnx.RMSNorm(q_lora_rank, epsilon=eps, param_dtype=jnp.float32, rngs=rngs)
         self.wq_b = FP8Linear(q_lora_rank, n_heads * (qk_nope_head_dim + qk_rope_head_dim), **lin)
@@ -180,9 +183,21 @@ class MLA(nnx.Module):
         self.wkv_b = FP8Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), **lin)
         self.wo = FP8Linear(n_heads * v_head_dim, dim, **lin)
         self.indexer = LightningIndexer(dim, q_lora_rank, n_heads=index_n_heads, head_dim=index_head_dim,
-                                        rope_head_dim=qk_rope_head_dim, topk=index_topk,
-                                        rope_theta=rope.theta, param_dtype=param_dtype, rngs=rngs) \
+                                        topk=index_topk, rope=rope, scale_fmt=scale_fmt,
+                                        fp8_weights=fp8_weights, param_dtype=param_dtype, rngs=rngs) \
             if index_topk > 0 else nnx.data(None)
+
+    @classmethod
+    def from_config(cls, cfg: DeepSeekV32Config, *, rngs: nnx.Rngs, fp8_weights: bool | None = None,
+                    param_dtype=jnp.bfloat16) -> MLA:
+        """The attention of a DeepSeek-V3.2 configuration (jax_dg.nn.config); fp8_weights
+        defaults to whether the checkpoint stores FP8 weights."""
+        return cls(cfg.hidden_size, cfg.n_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                   v_head_dim=cfg.v_head_dim, rope=cfg.rope, index_topk=cfg.index_topk,
+                   index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, scale_fmt=cfg.scale_fmt,
+                   eps=cfg.rms_norm_eps, fp8_weights=cfg.fp8_weights if fp8_weights is None else fp8_weights,
+                   param_dtype=param_dtype, rngs=rngs)
 
     @property
     def latent_bytes(self) -> int:
@@ -217,8 +232,10 @@ class MLA(nnx.Module):
 
     def wkv_b_heads(self) -> jax.Array:
         """bf16 [H, nope + v, kv_lora_rank]: wkv_b's weight per head (DeepSeek's weight_dequant
-        view), what the absorbed decode multiplies by."""
-        w = self.wkv_b.kernel[...].T.astype(jnp.bfloat16)           # [out, in]
+        of a stored FP8 weight; a bf16 master as it is), what the absorbed decode multiplies by."""
+        lin = self.wkv_b
+        w = dequantize_blocks(lin.weight[...], lin.weight_scale_inv[...]) if lin.stored_fp8 \
+            else lin.kernel[...].T.astype(jnp.bfloat16)               # [out, in]
         return w.reshape(self.n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
 
     # --- prefill ---------------------------------------------------------------------------
@@ -239,7 +256,8 @@ class MLA(nnx.Module):
         index_keys, keep = cache.index_keys, jnp.tril(jnp.ones((s, s), bool))[None]      # [1, S, S]
         if self.indexer is not None:
             idx, keys = jax.vmap(self.indexer.prefill)(x, qr.reshape(b, s, -1))          # [B, S, topk]
-            index_keys = paged.update_kv_cache(index_keys, keys.reshape(b * s, -1), slots)
+            index_keys = paged.update_kv_cache(index_keys, keys.reshape(b * s, -1), slots,
+                                               use_ue8m0=self.indexer.use_ue8m0)
             chosen = jnp.zeros((b, s, s + 1), bool).at[
                 jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], jnp.where(idx < 0, s, idx)].set(True)
             keep = keep & chosen[..., :s]
