@@ -17,6 +17,9 @@
                        latent cache (MLACache)
     RoPE               DeepSeek V3.2's rotary embedding with YaRN (both pair layouts) and the
                        softmax scale it implies
+    Block              DeepSeek V3.2's block: RMSNorm, MLA (with the indexer), RMSNorm, MLP or MoE,
+                       residual adds; prefill of padded sequences into the paged caches, decode
+    Transformer        embedding, blocks, norm and float32 head: prefill, decode, greedy generate
 
 The top layer: it imports jax_dg's public functions and nothing imports it; `import jax_dg` works
 without flax installed.
@@ -30,14 +33,16 @@ except ImportError as e:   # say which extra brings it
     raise ImportError("jax_dg.nn needs flax: pip install 'jax_dg[flax]'") from e
 
 from jax_dg.nn.attention import MLA, MLACache
+from jax_dg.nn.block import Block
 from jax_dg.nn.indexer import IndexerCache, LightningIndexer
 from jax_dg.nn.config import DeepSeekV32Config, load_config
 from jax_dg.nn.gate import Gate, RouterBias
 from jax_dg.nn.linear import FP8Linear, StoredFP8, dequantize, quantize
 from jax_dg.nn.loader import CheckpointError, checkpoint_names, load_checkpoint
+from jax_dg.nn.model import Transformer
 from jax_dg.nn.moe import MLP, MoE
 from jax_dg.nn.rope import RoPE
 
 __all__ = ["FP8Linear", "LightningIndexer", "IndexerCache", "MLA", "MLACache", "MoE", "RoPE",
            "MLP", "Gate", "RouterBias", "StoredFP8", "quantize", "dequantize", "DeepSeekV32Config",
-           "load_config", "load_checkpoint", "checkpoint_names", "CheckpointError"]
+           "load_config", "load_checkpoint", "checkpoint_names", "CheckpointError", "Block", "Transformer"]
