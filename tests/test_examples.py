@@ -131,7 +131,7 @@ def test_the_torch_blocks_training_step_is_the_examples():
     pairs = {"head": (as_np(grads["head"]["kernel"]).T, twin.head.weight.grad),
              "wq_a": (as_np(grads["wq_a"]["kernel"]).T, twin.wq_a.weight.grad),
              "w13": (as_np(grads["moe"]["w13"]), twin.moe.w13_weight.grad),
-             "gate": (as_np(grads["moe"]["gate"]), twin.moe.gate.grad),
+             "gate": (as_np(grads["moe"]["gate"]["weight"]), twin.moe.gate.grad),
              "embed": (as_np(grads["embed"]["embedding"]), twin.embed.grad)}
     diffs = {name: jax_dg.calc_diff(want, got.float().cpu().numpy()) for name, (want, got) in pairs.items()}
     print("gradient calc_diff, JAX block vs torch twin:", {k: f"{v:.1e}" for k, v in diffs.items()})
