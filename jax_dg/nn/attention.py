@@ -205,10 +205,11 @@ class MLA(nnx.Module):
 
     def init_cache(self, block_tables: jax.Array, num_blocks: int, block_size: int) -> MLACache:
         """An empty cache (every length 0) of num_blocks blocks of block_size tokens, for
-        sequences laid out by block_tables (jax_dg.paged.build_block_tables)."""
+        sequences laid out by block_tables (jax_dg.paged.build_block_tables). The cache holds
+        its own copy of the tables: donating it leaves the caller's."""
         zeros = lambda d: jnp.zeros((num_blocks, block_size, 1, d), jnp.uint8)  # noqa: E731
         keys = None if self.indexer is None else zeros(self.indexer.head_dim + 4)
-        return MLACache(zeros(self.latent_bytes), keys, jnp.asarray(block_tables, jnp.int32),
+        return MLACache(zeros(self.latent_bytes), keys, jnp.array(block_tables, jnp.int32, copy=True),
                         jnp.zeros((block_tables.shape[0],), jnp.int32))
 
     # --- the projections -------------------------------------------------------------------
