@@ -111,12 +111,20 @@ def run_tiny(name, monkeypatch, tmp_path):
 
 
 def test_bench_block_runs_tiny_on_cpu(monkeypatch, tmp_path):
-    """bench_block.py's harness end to end at the example's size, both sides on jax_dg's torch
-    emulation of deep_gemm (the benchmark itself needs a GPU; this keeps its code running)."""
+    """bench_block.py's harness end to end at toy sizes, both sides on jax_dg's torch emulation
+    of deep_gemm (the benchmark itself needs a GPU; this keeps its code running): the V3.2 block
+    and each layer, prefill and decode, and the toy block's training step."""
     pytest.importorskip("flax.nnx")
     rows = run_tiny("bench_block", monkeypatch, tmp_path)
-    assert [r["step"] for r in rows] == ["prefill", "decode", "training"]
-    assert rows[0]["rel_err"] < 2e-3 and rows[2]["rel_err"] < 1e-3
+    assert [(r["step"], r["layer"]) for r in rows] == [
+        ("prefill", "block"), ("prefill", "attention"), ("prefill", "moe"), ("decode", "block"),
+        ("decode", "attention"), ("decode", "indexer"), ("decode", "moe"), ("training", "toy block")]
+    checks = {(r["step"], r["layer"]): r["rel_err"] for r in rows}
+    assert all(v < 2e-3 for k, v in checks.items() if k[1] not in ("indexer", "toy block"))   # calc_diff
+    assert checks[("decode", "indexer")] < 0.05        # the share of top-k positions that differ
+    assert checks[("training", "toy block")] < 1e-3    # the losses' relative difference
+    moe = next(r for r in rows if r["step"] == "decode" and r["layer"] == "moe")
+    assert moe["floor_us"] > 0
 
 
 def test_bench_decode_runs_tiny_on_cpu(monkeypatch, tmp_path):
