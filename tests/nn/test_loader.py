@@ -23,6 +23,7 @@ pytest.importorskip("safetensors")
 import jax_dg  # noqa: E402
 from jax_dg import nn  # noqa: E402
 from jax_dg.nn.loader import CheckpointError, checkpoint_names, load_checkpoint  # noqa: E402
+from tests.conftest import on_deep_gemm  # noqa: E402
 from tests.nn import deepseek_reference as ref  # noqa: E402
 from tests.nn.checkpoints import hf_tensors, small_config, write_checkpoint  # noqa: E402
 
@@ -98,14 +99,18 @@ def test_every_tensor_lands_where_deepseek_reads_it(checkpoint):
     xs = np.asarray(x, np.float32)
     pair = lambda name: (t[f"{name}.weight"], t[f"{name}.weight_scale_inv"])  # noqa: E731
     mlp = lambda p: (pair(f"{p}.gate_proj"), pair(f"{p}.up_proj"), pair(f"{p}.down_proj"))  # noqa: E731
-    dense = nnx.jit(lambda m, x: m(x))(m.layers[0].ffn, x)
-    np.testing.assert_array_equal(f32(dense), ref.mlp(xs, *mlp("model.layers.0.mlp"), "ue8m0"))
+    dense = f32(nnx.jit(lambda m, x: m(x))(m.layers[0].ffn, x))
+    want = ref.mlp(xs, *mlp("model.layers.0.mlp"), "ue8m0")
+    if on_deep_gemm():    # DeepGEMM's float32 tensor-core sums against float64 ones: bf16 ulps
+        assert jax_dg.calc_diff(dense, want) < 1e-5
+    else:                 # the emulation rounds to the oracle's bfloat16 outputs here (measured: bitwise)
+        np.testing.assert_array_equal(dense, want)
     gate = dict(weight=f32(t["model.layers.1.mlp.gate.weight"]), bias=t["model.layers.1.mlp.gate.e_score_correction_bias"],
                 topk=2, n_groups=2, topk_groups=1, score_func="sigmoid", route_scale=2.5)
     want = ref.moe(xs, gate, [mlp(f"model.layers.1.mlp.experts.{e}") for e in range(8)],
                    mlp("model.layers.1.mlp.shared_experts"), "ue8m0")
     got = nnx.jit(lambda m, x: m(x))(moe, x)
-    assert jax_dg.calc_diff(f32(got), want) < 1e-9     # the MoE tests' bound (float32 sums in another order)
+    assert jax_dg.calc_diff(f32(got), want) < (1e-4 if on_deep_gemm() else 1e-9)   # the MoE tests' bounds
 
 
 def test_the_table_covers_the_module(checkpoint):
