@@ -37,9 +37,10 @@ No assignment is ever dropped unless the caller asks for a capacity. Two grouped
 Both grouped GEMMs read only the experts present (the masked kernel skips empty groups' blocks,
 the contiguous one reads the groups its row blocks name), so a decode step reads each needed
 expert's FP8 weights once. With stored weights x is cast to FP8 once per token before the
-permutation (the per-token cast commutes with it) and the GEMMs leave rows past each expert's
-count unwritten (clean=False): the cast between them reads those rows as 0 and the combine never
-reads them.
+permutation (the per-token cast commutes with it), and the GEMMs leave the rows no assignment
+owns as DeepGEMM leaves them (clean=False, no zeroing pass): the masked layout's cast between
+the GEMMs reads its rows past each count as 0, a contiguous padding row only meets its own
+per-token cast, and the combine reads neither.
 """
 
 from __future__ import annotations
