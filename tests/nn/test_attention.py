@@ -62,20 +62,30 @@ def chosen(idx, s):
     return keep[:, :s]
 
 
+@nnx.jit
+def project(m, x, pos):
+    """The layer's own projections (the references' inputs): (queries, latent) of x at pos."""
+    return m.queries(x, pos), m.latent(x, pos)
+
+
+@nnx.jit
+def index_choice(m, x):
+    """The indexer's prefill top-k of the sequence x [S, dim]."""
+    return m.indexer.prefill(x, m.queries(x, jnp.arange(x.shape[0]))[0])[0]
+
+
 def reference_prefill(m, x):
     """DeepSeek's prefill (MLA's `mask is not None` branch) of one sequence x [S, dim]: per-head
     keys [k_nope, k_pe] and values from wkv_b, scores over the causal positions the indexer
     chose, written out densely in float64 (the projections are the layer's own)."""
     s = x.shape[0]
-    pos = jnp.arange(s, dtype=jnp.int32)
-    qr, q_nope, q_pe = m.queries(x, pos)
-    _, kv_c, k_pe = m.latent(x, pos)
-    kv = f64(m.wkv_b(kv_c)).reshape(s, HEADS, NOPE + V)
+    (qr, q_nope, q_pe), (_, kv_c, k_pe) = project(m, x, jnp.arange(s, dtype=jnp.int32))
+    kv = f64(nnx.jit(lambda m, c: m.wkv_b(c))(m, kv_c)).reshape(s, HEADS, NOPE + V)
     q = np.concatenate([f64(q_nope), f64(q_pe)], -1)
     k = np.concatenate([kv[..., :NOPE], np.broadcast_to(f64(k_pe)[:, None], (s, HEADS, ROPE))], -1)
     keep = np.tril(np.ones((s, s), bool))
     if m.indexer is not None:
-        keep &= chosen(np.asarray(m.indexer.prefill(x, qr)[0]), s)
+        keep &= chosen(np.asarray(index_choice(m, x)), s)
     p = softmax(np.einsum("shd,thd->hst", q, k) * m.softmax_scale, keep[None])
     o = bf16(np.einsum("hst,thd->shd", bf16(p), kv[..., NOPE:]))
     return f64(m.wo(jnp.asarray(o.reshape(s, -1), jnp.bfloat16)))
@@ -88,9 +98,8 @@ def reference_decode(m, x, keep, *, absorbed):
     against the latent and the latent output through W_v, rounding q . W_nope, the probabilities
     and the latent output to bf16 where DeepSeek's bf16 einsums do."""
     s = x.shape[0]
-    pos = jnp.arange(s, dtype=jnp.int32)
-    _, q_nope, q_pe = m.queries(x[-1:], pos[-1:])
-    _, kv_c, k_pe = m.latent(x, pos)
+    (_, q_nope, q_pe), (_, kv_c, k_pe) = project(m, x, jnp.arange(s, dtype=jnp.int32))
+    q_nope, q_pe = q_nope[-1:], q_pe[-1:]
     w = f64(m.wkv_b.kernel[...]).T.reshape(HEADS, NOPE + V, C)
     q_nope, q_pe, kv_c, k_pe = f64(q_nope[0]), f64(q_pe[0]), f64(kv_c), f64(k_pe)
     rope_scores = np.einsum("hr,tr->ht", q_pe, k_pe)
@@ -172,7 +181,7 @@ def test_decode_is_the_absorbed_form_of_the_same_attention(topk):
         seq = jnp.concatenate([x[b, :n], nxt[b:b + 1]])
         keep = np.ones(n + 1, bool)
         if topk > 0:   # the indexer's choice for the new token (its decode path equals prefill's last row)
-            keep = chosen(np.asarray(m.indexer.prefill(seq, m.queries(seq, jnp.arange(n + 1))[0])[0][-1:]), n + 1)[0]
+            keep = chosen(np.asarray(index_choice(m, seq))[-1:], n + 1)[0]
         # the absorbed form as DeepSeek rounds it: the same sums (on DeepGEMM's GPU the bf16
         # tensor-core sums' order may move a rounding)
         assert jax_dg.calc_diff(f64(out[b]), reference_decode(m, seq, keep, absorbed=True)) < \

@@ -118,30 +118,29 @@ def test_transformer_prefill_decode_and_generate():
     lens = [30, 17]
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 31), 0, 512).astype(jnp.int32)
 
-    def caches(lens, key=3):
-        tables, nb = paged.build_block_tables(np.asarray(lens), 32, key=key)
+    def caches(b, key=3):    # room for 40 tokens per sequence: one cache shape, one compile
+        tables, nb = paged.build_block_tables(np.full(b, 40), 32, key=key)
         return model.init_cache(tables, nb, 32)
-    run_prefill = nnx.jit(lambda m, t, lens, c: m.prefill(t, lens, c))
-    logits, cache = run_prefill(model, tokens[:, :30], jnp.array(lens), caches([31, 18]))
+    logits, cache = prefill(model, tokens[:, :30], jnp.array(lens), caches(2))
     assert logits.shape == (2, 512) and logits.dtype == jnp.float32
     for b, n in enumerate(lens):   # each sequence alone: the same logits (the float32 head's sums
         # over another row count may round apart)
-        alone, _ = run_prefill(model, tokens[b:b + 1, :n], jnp.array([n]), caches([n], key=b))
+        alone, _ = prefill(model, tokens[b:b + 1, :30], jnp.array([n]), caches(1, key=b))
         np.testing.assert_allclose(np.asarray(alone[0]), np.asarray(logits[b]), rtol=1e-5, atol=1e-5)
 
     nxt = jnp.stack([tokens[0, 30], tokens[1, 17]])
-    step, cache = nnx.jit(lambda m, t, c: m.decode(t, c))(model, nxt, cache)
+    step, cache = decode(model, nxt, cache)
     assert [c.context_lens.tolist() for c in cache] == [[31, 18]] * 2
-    longer, _ = run_prefill(model, tokens, jnp.array([31, 18]), caches([31, 18]))
+    both = jnp.array([31, 18])
+    longer, _ = prefill(model, tokens, both, caches(2))
     # The two attention forms differ by FP8 noise (test_block_decode_equals_...); a router whose
     # k-th and next expert are that close would pick another expert on one side (the group
     # scores of the shipped config, max per group, tie easily in a toy model: measured 0.0016
     # apart turning the logits 0.34 apart). The premise, checked: the MoE layer's choice for
     # these tokens has a margin far above that noise.
-    both = jnp.array([31, 18])
     margin = nnx.jit(lambda m, t, c: routing_margin(m.layers[1], m.layers[0].prefill(m.embed(t), both, c[0])[0],
                                                     both, c[1], (jnp.arange(2), both - 1)))
-    assert float(margin(model, tokens, caches([31, 18]))) > 2e-2
+    assert float(margin(model, tokens, caches(2))) > 2e-2
     # two layers of the forms' difference with UE8M0's coarser scales, into the logits
     # (measured 4.4e-3 on the CPU)
     assert jax_dg.calc_diff(step, longer) < (2e-2 if on_deep_gemm() else 1e-2)
@@ -150,12 +149,12 @@ def test_transformer_prefill_decode_and_generate():
     # steps taken one jit at a time
     graph, state = nnx.split(model)
     gen = jax.jit(lambda st, t, lens, c: nnx.merge(graph, st).generate(t, lens, c, 4))
-    out, _ = gen(state, tokens[:, :30], jnp.array(lens), caches([40, 40]))
+    out, _ = gen(state, tokens[:, :30], jnp.array(lens), caches(2))
     assert out.shape == (2, 4) and out.dtype == jnp.int32
-    first, c = run_prefill(model, tokens[:, :30], jnp.array(lens), caches([40, 40]))
+    first, c = prefill(model, tokens[:, :30], jnp.array(lens), caches(2))
     want = [jnp.argmax(first, -1)]
     for _ in range(3):
-        lg, c = nnx.jit(lambda m, t, c: m.decode(t, c))(model, want[-1].astype(jnp.int32), c)
+        lg, c = decode(model, want[-1].astype(jnp.int32), c)
         want.append(jnp.argmax(lg, -1))
     np.testing.assert_array_equal(np.asarray(out), np.stack([np.asarray(w) for w in want], 1))
 
