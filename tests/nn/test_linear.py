@@ -117,8 +117,8 @@ def test_quantize_and_dequantize_convert_every_layer_in_one_call():
     assert np.array_equal(s, 2.0 ** np.round(np.log2(s)))
     assert not np.array_equal(np.asarray(m.a.weight_scale_inv[...]),
                               2.0 ** np.round(np.log2(np.asarray(m.a.weight_scale_inv[...]))))
-    assert nnx.state(m, nnx.Param).flat_state() and not any(
-        "weight" in str(p) for p, _ in nnx.state(m, nnx.Param).flat_state())   # stored FP8 is not a Param
+    params = nnx.to_flat_state(nnx.state(m, nnx.Param))
+    assert params and not any("weight" in str(p) for p, _ in params)   # stored FP8 is not a Param
     again = np.asarray(m.a.weight[...].astype(jnp.float32))
     nn.quantize(m)                                                  # already stored: unchanged
     np.testing.assert_array_equal(np.asarray(m.a.weight[...].astype(jnp.float32)), again)
