@@ -133,6 +133,30 @@ def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
+SCORE_BYTES = 2 ** 31   # prefill's float32 scores [B, H, queries, S] per chunk of queries
+
+
+def rows_per_chunk(b: int, heads: int, s: int) -> int:
+    """Queries per prefill chunk: all of them while the float32 scores of B x H x S x S fit
+    SCORE_BYTES (DeepSeek's dense form), else as many as fit (at least one)."""
+    return max(1, min(s, SCORE_BYTES // (b * heads * s * 4)))
+
+
+def _chunked(fn, queries: tuple, rows: int) -> jax.Array:
+    """fn over the query axis (1) of each of `queries` in chunks of `rows` (one lax.map: the
+    chunks run one after another, their scores never all alive), concatenated back. Each row's
+    result is what one call over all rows gives it (attention is per query)."""
+    s = queries[0].shape[1]
+    if rows >= s:
+        return fn(*queries)
+    n = -(-s // rows)
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, n * rows - s)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    split = lambda a: jnp.moveaxis(pad(a).reshape(a.shape[0], n, rows, *a.shape[2:]), 1, 0)  # noqa: E731
+    out = jax.lax.map(lambda chunk: fn(*chunk), tuple(split(a) for a in queries))   # [n, B, rows, ...]
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(out.shape[0], n * rows, *out.shape[3:])[:, :s]
+
+
 def _masked_softmax(scores: jax.Array, keep: jax.Array) -> jax.Array:
     """softmax over the last axis of the kept scores; a row that keeps none is all zeros."""
     s = jnp.where(keep, scores, -jnp.inf)
@@ -265,14 +289,19 @@ class MLA(nnx.Module):
         kv = self.wkv_b(kv_c).reshape(b, s, self.n_heads, -1)
         k_nope, v = kv[..., :self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
         q_nope, q_pe = q_nope.reshape(b, s, self.n_heads, -1), q_pe.reshape(b, s, self.n_heads, -1)
-        scores = (_einsum("bshd,bthd->bhst", q_nope, k_nope)
-                  + _einsum("bshr,btr->bhst", q_pe, k_pe.reshape(b, s, -1))) * self.softmax_scale
-        p = _masked_softmax(scores, keep[:, None]).astype(jnp.bfloat16)
-        o = _einsum("bhst,bthd->bshd", p, v).astype(jnp.bfloat16)
+        o = _chunked(lambda q_nope, q_pe, keep: self._mha(q_nope, q_pe, k_nope, k_pe.reshape(b, s, -1), v, keep),
+                     (q_nope, q_pe, jnp.broadcast_to(keep, (b, s, s))), rows_per_chunk(b, self.n_heads, s))
         out = self.wo(o.reshape(b * s, -1)).reshape(b, s, -1)
         cache = MLACache(cache.write_latent(latent, slots), index_keys, cache.block_tables,
                          jnp.minimum(lens, cache.max_len))
         return out, cache
+
+    def _mha(self, q_nope, q_pe, k_nope, k_pe, v, keep):
+        """Queries [B, C, H, .] over the keys [B, S, ...] they keep (keep [B, C, S]): bf16 [B, C, H, v]."""
+        scores = (_einsum("bshd,bthd->bhst", q_nope, k_nope)
+                  + _einsum("bshr,btr->bhst", q_pe, k_pe)) * self.softmax_scale
+        p = _masked_softmax(scores, keep[:, None]).astype(jnp.bfloat16)
+        return _einsum("bhst,bthd->bshd", p, v).astype(jnp.bfloat16)
 
     # --- decode ----------------------------------------------------------------------------
 

@@ -239,3 +239,18 @@ def test_bad_arguments():
         nn.MLA(DIM, 2, q_lora_rank=128, index_topk=0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="`scale_fmt`"):
         nn.MLA(DIM, 2, q_lora_rank=128, scale_fmt="e8m0", rngs=nnx.Rngs(0))
+
+
+def test_prefill_in_chunks_of_queries_is_prefill_at_once(monkeypatch):
+    """Past SCORE_BYTES of float32 scores prefill runs its queries in chunks (V3.2's 128 heads
+    over long prompts): every row as the dense form gives it, the cache the same."""
+    from jax_dg.nn import attention
+    m = make_mla(8)
+    lens = [40, 29]
+    x = tokens(2, 40, seed=6)
+    whole, c1 = prefill(m, x, jnp.array(lens), cache_for(m, lens))
+    monkeypatch.setattr(attention, "SCORE_BYTES", 2 * HEADS * 40 * 4 * 7)   # 7 queries a chunk
+    assert attention.rows_per_chunk(2, HEADS, 40) == 7
+    chunked, c2 = nnx.jit(lambda m, x, lens, c: m.prefill(x, lens, c))(m, x, jnp.array(lens), cache_for(m, lens))
+    np.testing.assert_array_equal(np.asarray(chunked), np.asarray(whole))
+    np.testing.assert_array_equal(np.asarray(c2.latent), np.asarray(c1.latent))
