@@ -72,6 +72,31 @@ def test_deepseek_v32_block_warms_up(capsys):
     assert "k_grouped_fp8_gemm_nt_contiguous" in ops["training step (forward + backward)"]   # weight grads
 
 
+def test_deepseek_v32_generate_example(capsys):
+    """The checkpoint round trip (DeepSeek's layout, FP8 with UE8M0 scales), greedy generation in
+    one jit, and the example's own checks."""
+    pytest.importorskip("flax.nnx")
+    example = load("deepseek_v32_generate")
+    assert example.main(["--new", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "loaded: bit for bit" in out
+
+
+def test_deepseek_v32_generate_warms_up(capsys):
+    """`python -m jax_dg warmup examples/deepseek_v32_generate.py` finds the generation
+    program's kernels: the FP8 GEMMs, the indexer's prefill and paged decode top-k, the MoE's
+    grouped GEMMs."""
+    import json
+    pytest.importorskip("flax.nnx")
+    from jax_dg import __main__ as cli
+    assert cli.main(["warmup", "--json", "--progress", "off", str(EXAMPLES / "deepseek_v32_generate.py"),
+                     "--new", "3"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    ops = {v["op"] for v in report["variants"]}
+    assert {"fp8_gemm_nt", "indexer_topk", "paged_indexer_topk"} <= ops
+    assert any(op.startswith("m_grouped_fp8_gemm_nt") for op in ops)
+
+
 def block_and_torch_twin():
     """(the example module, its Block at a small size, benchmarks/torch_block.py's Block of the
     same weights: on deep_gemm on a GPU, else on jax_dg's torch emulation of it, and
@@ -131,7 +156,7 @@ def test_the_torch_blocks_training_step_is_the_examples():
     pairs = {"head": (as_np(grads["head"]["kernel"]).T, twin.head.weight.grad),
              "wq_a": (as_np(grads["wq_a"]["kernel"]).T, twin.wq_a.weight.grad),
              "w13": (as_np(grads["moe"]["w13"]), twin.moe.w13_weight.grad),
-             "gate": (as_np(grads["moe"]["gate"]), twin.moe.gate.grad),
+             "gate": (as_np(grads["moe"]["gate"]["weight"]), twin.moe.gate.grad),
              "embed": (as_np(grads["embed"]["embedding"]), twin.embed.grad)}
     diffs = {name: jax_dg.calc_diff(want, got.float().cpu().numpy()) for name, (want, got) in pairs.items()}
     print("gradient calc_diff, JAX block vs torch twin:", {k: f"{v:.1e}" for k, v in diffs.items()})
@@ -169,4 +194,36 @@ def test_gpu_the_examples_prefill_and_decode_loop_replay_without_python():
     per_run = (bridge.call_count() + native.call_count() - calls) / 3
     print(f"prefill + 8-token decode loop: {per_run:.1f} jax_dg handler entries per replayed run")
     assert np.array_equal(np.asarray(got[1]), np.asarray(out[1]))
+    assert per_run == 0
+
+
+@pytest.mark.gpu
+def test_gpu_the_generate_examples_decode_loop_replays_without_python():
+    """examples/deepseek_v32_generate.py's prefill + decode loop (one jit over nnx.split's
+    state, the caches donated and handed back: the same buffers from run to run, as a serving
+    loop holds them): once recorded, a run replays XLA's command buffers and enters no jax_dg
+    handler; the tokens are the first run's (prefill rewrites every length: the old entries
+    past them are never read)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jax_dg import nn
+    from jax_dg.core import native
+    from jax_dg.runtime import bridge
+    example = load("deepseek_v32_generate")
+    model = nn.Transformer(nn.load_config(example.CONFIG), rngs=nnx.Rngs(0))
+    tokens, lens = example.prompts(example.CONFIG["vocab_size"])
+    run = example.generator(model, 8)
+    caches = example.caches(model, lens, int(lens.max()) + 8)
+    first = None
+    for _ in range(3):   # compile, record, settle the buffers' addresses
+        out, caches = jax.block_until_ready(run(tokens, lens, caches))
+        first = out if first is None else first
+    calls = bridge.call_count() + native.call_count()
+    for _ in range(3):
+        out, caches = jax.block_until_ready(run(tokens, lens, caches))
+    per_run = (bridge.call_count() + native.call_count() - calls) / 3
+    print(f"prefill + 8-token decode loop of the V3.2 model: {per_run:.1f} jax_dg handler entries per run")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(first))
     assert per_run == 0

@@ -8,7 +8,8 @@ DeepGEMM's paged MQA-logits kernels read an FP8 key cache of shape
 of a token are its packed UE8M0 exponents (int32) instead of a float32.
 
 Rows are quantised as DeepGEMM's tests do (`kv_cache_cast_to_fp8`): per token,
-`sf = max(amax(|k|), 1e-4) / 448`, values `k * (1 / sf)` cast to float8_e4m3fn.
+`sf = max(amax(|k|), 1e-4) / 448`, values `k * (1 / sf)` cast to float8_e4m3fn; with
+`use_ue8m0`, sf rounded up to a power of two first (DeepSeek V3.2's `scale_fmt: ue8m0`).
 
 A block table `int32 [B, max_blocks]` maps the logical block `i` of sequence `b` (tokens
 `i*block_size ... (i+1)*block_size - 1`) to a physical block of the cache. JAX arrays are
@@ -31,7 +32,7 @@ from jax_dg.operands.quant import FP8, cast_with_scale, scale_for
 __all__ = [
     "pack_kv_cache", "unpack_kv_cache", "quantize_kv_cache", "dequantize_kv_cache",
     "kv_cache_from_rows", "kv_cache_from_sequences", "update_kv_cache", "slot_mapping",
-    "build_block_tables",
+    "decode_slots", "build_block_tables",
 ]
 
 
@@ -91,11 +92,11 @@ def unpack_kv_cache(kv_cache: jax.Array, *, mx_scales: bool = False,
     return values, scales
 
 
-def _quantize_rows(k: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _quantize_rows(k: jax.Array, use_ue8m0: bool = False) -> tuple[jax.Array, jax.Array]:
     """[..., D] -> (float8 [..., D], float32 scales [...]): one scale per row (token),
     bit-exact with DeepGEMM's `kv_cache_cast_to_fp8` (jax_dg.operands.quant's formulas)."""
     x = k.astype(jnp.float32)
-    sf = scale_for(jnp.abs(x).max(axis=-1, keepdims=True))
+    sf = scale_for(jnp.abs(x).max(axis=-1, keepdims=True), use_ue8m0)
     return cast_with_scale(x, sf), sf[..., 0]
 
 
@@ -109,20 +110,21 @@ def _check_table(ck: Checker, block_tables) -> None:
     ck.ndim(block_tables, "block_tables", 2, "[B, max_blocks]")
 
 
-def quantize_kv_cache(k: jax.Array) -> jax.Array:
+def quantize_kv_cache(k: jax.Array, *, use_ue8m0: bool = False) -> jax.Array:
     """Unquantised keys [num_blocks, block_size, D] (or [..., block_size, 1, D]) -> the FP8
-    paged cache uint8 [num_blocks, block_size, 1, D + 4] (DeepGEMM's `kv_cache_cast_to_fp8`)."""
+    paged cache uint8 [num_blocks, block_size, 1, D + 4] (DeepGEMM's `kv_cache_cast_to_fp8`;
+    power-of-two scales with use_ue8m0)."""
     ck = Checker("quantize_kv_cache")
     ck.floating(k, "k")
     if k.ndim == 4 and k.shape[2] == 1:
         k = k[:, :, 0]
     ck.ndim(k, "k", 3, "[num_blocks, block_size, D]")
-    return _quantize_kv_cache(k)
+    return _quantize_kv_cache(k, ck.static_bool(use_ue8m0, "use_ue8m0"))
 
 
-@jax.jit
-def _quantize_kv_cache(k: jax.Array) -> jax.Array:
-    return pack_kv_cache(*_quantize_rows(k))
+@functools.partial(jax.jit, static_argnames=("use_ue8m0",))
+def _quantize_kv_cache(k: jax.Array, use_ue8m0: bool) -> jax.Array:
+    return pack_kv_cache(*_quantize_rows(k, use_ue8m0))
 
 
 def dequantize_kv_cache(kv_cache: jax.Array, block_tables: jax.Array | None = None) -> jax.Array:
@@ -143,44 +145,47 @@ def _dequantize_kv_cache(kv_cache: jax.Array, block_tables: jax.Array | None) ->
     return k[block_tables].reshape(b, w * k.shape[1], k.shape[2])
 
 
-def kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
+def kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int, *,
+                       use_ue8m0: bool = False) -> jax.Array:
     """Quantises key rows [N, D] into a fresh paged cache; row i goes to cache slot `slots[i]`
     (= physical block * block_size + offset in the block). Slots outside the cache are dropped;
-    slots no row writes hold zeros (value 0, scale 0)."""
+    slots no row writes hold zeros (value 0, scale 0). use_ue8m0: power-of-two scales."""
     ck = Checker("kv_cache_from_rows")
     _check_keys(ck, k, 2, "[N, D]")
     ck.integer(slots, "slots")
     ck.shape(slots, "slots", k.shape[:1], "[N]")
     return _kv_cache_from_rows(k, slots, ck.static_int(num_blocks, "num_blocks", minimum=1),
-                               ck.static_int(block_size, "block_size", minimum=1))
+                               ck.static_int(block_size, "block_size", minimum=1),
+                               ck.static_bool(use_ue8m0, "use_ue8m0"))
 
 
-@functools.partial(jax.jit, static_argnames=("num_blocks", "block_size"))
-def _kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("num_blocks", "block_size", "use_ue8m0"))
+def _kv_cache_from_rows(k: jax.Array, slots: jax.Array, num_blocks: int, block_size: int,
+                        use_ue8m0: bool = False) -> jax.Array:
     empty = jnp.zeros((num_blocks, block_size, 1, k.shape[1] + SCALE_BYTES), jnp.uint8)
-    return _update_kv_cache(empty, k, slots)   # all-zero bytes: value 0, scale 0
+    return _update_kv_cache(empty, k, slots, use_ue8m0)   # all-zero bytes: value 0, scale 0
 
 
-def update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array) -> jax.Array:
+def update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array, *, use_ue8m0: bool = False) -> jax.Array:
     """The FP8 paged cache with key rows k [N, D] quantised into slots[i] (= physical block *
     block_size + offset, as slot_mapping gives; slots outside the cache, -1 included, are
     dropped), every other slot as it was: a decode step's cache update. Slots must be distinct
     (two rows to one slot would leave a mix of both). Under jit with the cache donated, XLA
-    writes the rows in place."""
+    writes the rows in place. use_ue8m0: the rows' scales are powers of two."""
     ck = Checker("update_kv_cache")
     _, _, d = check_kv_cache(ck, kv_cache)
     _check_keys(ck, k, 2, "[N, D]")
     ck.that(k.shape[1] == d, "k", f"must have the cache's D = {d} columns", tuple(k.shape))
     ck.integer(slots, "slots")
     ck.shape(slots, "slots", k.shape[:1], "[N]")
-    return _update_kv_cache(kv_cache, k, slots)
+    return _update_kv_cache(kv_cache, k, slots, ck.static_bool(use_ue8m0, "use_ue8m0"))
 
 
-@jax.jit
-def _update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("use_ue8m0",))
+def _update_kv_cache(kv_cache: jax.Array, k: jax.Array, slots: jax.Array, use_ue8m0: bool = False) -> jax.Array:
     nb, blk, _, dp4 = kv_cache.shape
     d, n = dp4 - SCALE_BYTES, nb * blk
-    values, sf = _quantize_rows(k)
+    values, sf = _quantize_rows(k, use_ue8m0)
     slots = jnp.where((slots >= 0) & (slots < n), slots, n).astype(jnp.int32)
     block, off = slots // blk, slots % blk
     rows = jax.lax.bitcast_convert_type(values, jnp.uint8)                    # [N, D]
@@ -209,12 +214,36 @@ def _slot_mapping(block_tables: jax.Array, block_size: int, seq_len: int) -> jax
     return blocks * block_size + t % block_size
 
 
+def decode_slots(block_tables: jax.Array, context_lens: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """A decode step's writes: (int32 [B] the cache slot of each sequence's next token, at
+    position context_lens[b]; int32 [B] the lengths after it). A sequence whose table is full
+    (context_lens[b] >= max_blocks * block_size) gets slot -1 (update_kv_cache drops it: its
+    slot would wrap into another sequence's block) and keeps its length. Every cache of one
+    set of block tables (the indexer's keys, the attention's latent) writes through these."""
+    ck = Checker("decode_slots")
+    _check_table(ck, block_tables)
+    ck.integer(context_lens, "context_lens")
+    ck.shape(context_lens, "context_lens", block_tables.shape[:1], "[B]")
+    return _decode_slots(block_tables, context_lens, ck.static_int(block_size, "block_size", minimum=1))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _decode_slots(block_tables: jax.Array, context_lens: jax.Array, block_size: int):
+    pos = context_lens.astype(jnp.int32)
+    room = pos < block_tables.shape[1] * block_size
+    block = jnp.take_along_axis(block_tables, jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)[:, None],
+                                axis=1)[:, 0]
+    slots = jnp.where(room, block * block_size + pos % block_size, -1)
+    return slots.astype(jnp.int32), jnp.where(room, pos + 1, pos)
+
+
 def kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: int, num_blocks: int,
-                            context_lens: jax.Array | None = None) -> jax.Array:
+                            context_lens: jax.Array | None = None, *, use_ue8m0: bool = False) -> jax.Array:
     """Quantises per-sequence keys [B, S, D] into a paged cache through `block_tables`.
 
     Token t of sequence b lands in logical block t // block_size of that sequence; tokens at
-    t >= context_lens[b] (when given) or beyond the table are not written.
+    t >= context_lens[b] (when given) or beyond the table are not written. use_ue8m0:
+    power-of-two scales.
     """
     ck = Checker("kv_cache_from_sequences")
     _check_keys(ck, k, 3, "[B, S, D]")
@@ -222,12 +251,13 @@ def kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: i
     if context_lens is not None:
         ck.integer(context_lens, "context_lens")
     return _kv_cache_from_sequences(k, block_tables, ck.static_int(block_size, "block_size", minimum=1),
-                                    ck.static_int(num_blocks, "num_blocks", minimum=1), context_lens)
+                                    ck.static_int(num_blocks, "num_blocks", minimum=1), context_lens,
+                                    ck.static_bool(use_ue8m0, "use_ue8m0"))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks"))
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "use_ue8m0"))
 def _kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: int, num_blocks: int,
-                             context_lens: jax.Array | None = None) -> jax.Array:
+                             context_lens: jax.Array | None = None, use_ue8m0: bool = False) -> jax.Array:
     b, s, d = k.shape
     slots = _slot_mapping(block_tables, block_size, s)
     t = jnp.arange(s, dtype=jnp.int32)[None, :]
@@ -235,7 +265,7 @@ def _kv_cache_from_sequences(k: jax.Array, block_tables: jax.Array, block_size: 
     if context_lens is not None:
         keep = keep & (t < context_lens.reshape(b, -1)[:, -1:])
     slots = jnp.where(keep, slots, -1)
-    return _kv_cache_from_rows(k.reshape(b * s, d), slots.reshape(-1), num_blocks, block_size)
+    return _kv_cache_from_rows(k.reshape(b * s, d), slots.reshape(-1), num_blocks, block_size, use_ue8m0)
 
 
 def build_block_tables(context_lens, block_size: int, *, num_blocks: int | None = None,

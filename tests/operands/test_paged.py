@@ -88,6 +88,27 @@ def test_quantize_is_bitwise_the_oracles_per_token_cast(scale):
     np.testing.assert_array_equal(np.asarray(sf).reshape(-1), np.asarray(osf)[:, 0])
 
 
+def test_ue8m0_caches_hold_power_of_two_scales():
+    """use_ue8m0 (DeepSeek V3.2's scale_fmt): every way into a cache rounds each row's scale up
+    to a power of two, the rows as per_row_cast_to_fp8(use_ue8m0=True) casts them."""
+    nb, blk, d = 2, 64, 128
+    k = jnp.asarray(np.random.default_rng(5).standard_normal((nb * blk, d)).astype(np.float32))
+    want_v, want_s = jax_dg.per_row_cast_to_fp8(k, use_ue8m0=True)
+    slots = jnp.arange(nb * blk, dtype=jnp.int32)
+    table = jnp.arange(nb, dtype=jnp.int32)[None]
+    caches = [paged.quantize_kv_cache(k.reshape(nb, blk, d), use_ue8m0=True),
+              paged.kv_cache_from_rows(k, slots, nb, blk, use_ue8m0=True),
+              paged.update_kv_cache(paged.quantize_kv_cache(k.reshape(nb, blk, d)), k, slots, use_ue8m0=True),
+              paged.kv_cache_from_sequences(k[None], table, blk, nb, use_ue8m0=True)]
+    for cache in caches:
+        v, s = paged.unpack_kv_cache(cache)
+        np.testing.assert_array_equal(np.asarray(s).reshape(-1), np.asarray(want_s))
+        np.testing.assert_array_equal(np.asarray(v).view(np.uint8).reshape(-1, d), np.asarray(want_v).view(np.uint8))
+    s = np.asarray(want_s)
+    assert np.array_equal(s, 2.0 ** np.round(np.log2(s)))
+    assert not np.array_equal(np.asarray(paged.unpack_kv_cache(paged.quantize_kv_cache(k.reshape(nb, blk, d)))[1]).reshape(-1), s)
+
+
 def test_dequantize_follows_block_tables():
     nb, blk, d = 6, 64, 32
     k = jnp.asarray(np.random.default_rng(1).standard_normal((nb, blk, d)).astype(np.float32))
@@ -131,6 +152,15 @@ def test_slot_mapping():
     table = jnp.array([[7, 2]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(paged.slot_mapping(table, 4, 6)),
                                   [[28, 29, 30, 31, 8, 9]])
+
+
+def test_decode_slots():
+    """The next token's slot through the table; a full table writes nothing and keeps its length."""
+    table = jnp.array([[7, 2], [5, 0], [3, 4]], jnp.int32)
+    slots, lens = paged.decode_slots(table, jnp.array([5, 0, 8], jnp.int32), 4)
+    assert slots.tolist() == [2 * 4 + 1, 5 * 4, -1] and lens.tolist() == [6, 1, 8]
+    with pytest.raises(ValueError, match="context_lens"):
+        paged.decode_slots(table, jnp.zeros((2,), jnp.int32), 4)
 
 
 @pytest.mark.parametrize("blk", [32, 64])
