@@ -170,8 +170,9 @@ def trace_for_gpu(monkeypatch, arch: str) -> None:
     def target():
         requested = selection.requested()
         backend = selection.concrete(requested, "cuda")
-        version = deep_gemm.version_tuple() if backend == "deep_gemm" else device.Target.version
-        return device.Target(backend, "cuda", arch, 132, version)
+        api = (deep_gemm.Api.emulating(deep_gemm.version_tuple()) if backend == "deep_gemm"
+               else device.Target.api)
+        return device.Target(backend, "cuda", arch, 132, api)
     monkeypatch.setattr(device, "target", target)
     monkeypatch.setattr(native, "cuda_built", lambda: True)
     monkeypatch.setattr(deep_gemm, "module", lambda: object())

@@ -173,9 +173,10 @@ def version() -> str | None:
     return None if dg is None else getattr(dg, "__version__", "unknown")
 
 
-def lookup(name: str) -> Callable | None:
-    """The callable for kernel `name` in the installed DeepGEMM, adapted to the newest API."""
-    dg = module()
+def lookup(name: str, dg: Any = None) -> Callable | None:
+    """The callable for kernel `name` in the installed DeepGEMM (or in `dg`, a module with
+    DeepGEMM's API: the torch emulation presenting 2.8's), adapted to the call jax_dg makes."""
+    dg = module() if dg is None else dg
     if dg is None:
         return None
     for candidate in NAMES.get(name, (name,)):
@@ -201,14 +202,24 @@ def missing_error(name: str) -> RuntimeError:
 
 
 class Namespace(types.SimpleNamespace):
-    """The resolved DeepGEMM symbols one op needs (what its run function receives as `dg`)."""
+    """The resolved DeepGEMM symbols one op needs (what its run function receives as `dg`);
+    `_module`: where others are looked up (None: the installed DeepGEMM)."""
+    _module: Any = None
 
     def __getattr__(self, name: str) -> Any:  # symbols outside the op's list, resolved on demand
-        fn = lookup(name)
+        fn = lookup(name, self._module)
         if fn is None:
             raise missing_error(name)
         setattr(self, name, fn)
         return fn
+
+
+def adapted(dg: Any) -> Namespace:
+    """`dg` (a module with DeepGEMM's API) as jax_dg calls it: each kernel through the adapter
+    of the installed DeepGEMM's (the torch emulation presenting 2.8's API runs the same calls)."""
+    ns = Namespace()
+    ns._module = dg
+    return ns
 
 
 def namespace(symbols: tuple[str, ...]) -> Namespace:
@@ -244,7 +255,11 @@ class Api:
     TESTED is taken as the newest tested one there."""
     version: tuple[int, int]
     present: frozenset[str]
-    keywords: Mapping[str, frozenset[str] | None]
+    signatures: tuple[tuple[str, frozenset[str] | None], ...]   # (kernel, its keywords or None)
+
+    @functools.cached_property
+    def keywords(self) -> Mapping[str, frozenset[str] | None]:
+        return dict(self.signatures)
 
     @classmethod
     def of(cls, dg: Any, version_text: str | None = None) -> "Api":
@@ -255,22 +270,40 @@ class Api:
             if fn is not None:
                 present.add(name)
                 kws[name] = keywords(fn)
-        return cls(_version_tuple(text), frozenset(present), kws)
+        return cls(_version_tuple(text), frozenset(present), tuple(sorted(kws.items())))
 
     def has(self, name: str) -> bool:
         return name in self.present
+
+    def lacks(self, name: str) -> bool:
+        """Whether this DeepGEMM lacks kernel `name`, one of those the Api reads (others: not
+        known here, lookup() tells)."""
+        return name in _API_SYMBOLS and name not in self.present
 
     def takes(self, name: str, keyword: str) -> bool:
         """Whether kernel `name` takes `keyword` (an unknown signature: as its version's)."""
         names = self.keywords.get(name)
         if names is None:
-            return self.has(name) and keyword in _KEYWORDS_BY_ERA.get((name, self.era), ())
+            return self.has(name) and keyword in _ERAS[self.era].get(name, ())
         return keyword in names
+
+    @classmethod
+    @functools.cache
+    def emulating(cls, version: tuple[int, int]) -> "Api":
+        """DeepGEMM `version`'s API as its tested release declares it (the newest tested one not
+        newer): what the torch emulation presents, and what a test's target names."""
+        era = _ERAS[max([v for v in TESTED if v <= tuple(version)] or [TESTED[0]])]
+        return cls(tuple(version), frozenset(era), tuple((n, frozenset(k)) for n, k in sorted(era.items())))
 
     @property
     def era(self) -> tuple[int, int]:
         """The tested version whose facts apply: the newest tested one not newer than this."""
         return max([v for v in TESTED if v <= self.version] or [TESTED[0]])
+
+    @property
+    def release(self) -> str:
+        """"2.8" and the like, for messages."""
+        return ".".join(map(str, self.version))
 
     @property
     def untested(self) -> bool:
@@ -297,29 +330,69 @@ class Api:
         return (1, 2, 4) if self.era < (2, 8) else (1, 2)
 
     @property
+    def sm90_page_sizes(self) -> tuple[int, ...]:
+        """KV block sizes (tokens) the SM90 paged kernels take (2.8: 64 only)."""
+        return (32, 64) if self.era < (2, 8) else (64,)
+
+    @property
+    def sm90_paged_varlen(self) -> bool:
+        """Whether the SM90 paged kernels take the varlen form (`indices`; 2.8: SM100 only)."""
+        return self.era < (2, 8)
+
+    @property
     def ensure_zero_padding(self) -> bool:
         """m-grouped contiguous GEMMs zero the padding rows themselves when asked (2.8)."""
         return self.takes("m_grouped_fp8_gemm_nt_contiguous", "ensure_zero_padding")
 
 
-# Kernels whose presence and keywords the Api reads (public names, as lookup() takes them).
-_API_SYMBOLS = ("fp8_gemm_nt", "fp8_gemm_nt_skip_head_mid", "fp8_fp4_mqa_logits",
-                "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata",
-                "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_contiguous",
-                "k_grouped_fp8_gemm_nt_contiguous", "bf16_gemm_nt", "einsum", "batched_syrk",
-                "batched_symm", "use_deterministic_algorithms", "shutdown")
-
-# Where a pybind11 signature cannot be read: the keywords each tested version's kernels take.
-_KEYWORDS_BY_ERA: dict[tuple[str, tuple[int, int]], tuple[str, ...]] = {
-    ("fp8_fp4_mqa_logits", (2, 5)): ("clean_logits", "max_seqlen_k", "logits_dtype"),
-    ("fp8_fp4_mqa_logits", (2, 8)): ("max_seqlen_k", "schedule_meta"),
-    ("fp8_fp4_paged_mqa_logits", (2, 5)): ("clean_logits", "logits_dtype", "indices"),
-    ("fp8_fp4_paged_mqa_logits", (2, 8)): ("indices",),
-    ("m_grouped_fp8_gemm_nt_contiguous", (2, 8)): ("ensure_zero_padding",),
-    ("m_grouped_bf16_gemm_nt_contiguous", (2, 8)): ("ensure_zero_padding",),
-    ("einsum", (2, 5)): ("c", "use_cublaslt"),
-    ("einsum", (2, 8)): ("c", "epilogue_class"),
+# Kernels whose presence and keywords the Api reads (public names, as lookup() takes them), and
+# their keywords in each tested version (as its bindings declare them): what an unreadable
+# pybind11 signature is taken to be, and what the torch emulation presents (Api.emulating).
+_GEMM_25 = ("a", "b", "d", "c", "recipe", "recipe_a", "recipe_b", "compiled_dims", "disable_ue8m0_cast")
+_M_GROUPED_25 = ("a", "b", "d", "grouped_layout", "recipe", "recipe_a", "recipe_b", "compiled_dims",
+                 "disable_ue8m0_cast", "use_psum_layout", "expected_m_for_psum_layout")
+_ERAS: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {
+    (2, 5): {
+        "fp8_gemm_nt": _GEMM_25,
+        "fp8_gemm_nt_skip_head_mid": ("a", "b", "d", "head_splits", "recipe", "compiled_dims",
+                                      "disable_ue8m0_cast"),
+        "fp8_fp4_mqa_logits": ("q", "kv", "weights", "cu_seq_len_k_start", "cu_seq_len_k_end",
+                               "clean_logits", "max_seqlen_k", "logits_dtype"),
+        "fp8_fp4_paged_mqa_logits": ("q", "fused_kv_cache", "weights", "context_lens", "block_table",
+                                     "schedule_meta", "max_context_len", "clean_logits",
+                                     "logits_dtype", "indices"),
+        "get_paged_mqa_logits_metadata": ("context_lens", "block_kv", "num_sms", "indices"),
+        "m_grouped_fp8_gemm_nt_contiguous": _M_GROUPED_25,
+        "m_grouped_bf16_gemm_nt_contiguous": ("a", "b", "d", "grouped_layout", "compiled_dims",
+                                              "use_psum_layout", "expected_m_for_psum_layout"),
+        "k_grouped_fp8_gemm_nt_contiguous": ("a", "b", "d", "ks", "ks_tensor", "c", "recipe",
+                                             "compiled_dims"),
+        "bf16_gemm_nt": ("a", "b", "d", "c", "compiled_dims"),
+        "einsum": ("expr", "a", "b", "d", "c", "use_cublaslt"),
+    },
+    (2, 8): {
+        "fp8_gemm_nt": _GEMM_25 + ("alpha", "epilogue_class"),
+        "fp8_fp4_mqa_logits": ("q", "kv", "weights", "cu_seq_len_k_start", "cu_seq_len_k_end",
+                               "max_seqlen_k", "schedule_meta"),
+        "fp8_fp4_paged_mqa_logits": ("q", "fused_kv_cache", "weights", "context_lens", "block_table",
+                                     "schedule_meta", "max_context_len", "indices"),
+        "get_paged_mqa_logits_metadata": ("context_lens", "block_kv", "num_sms", "indices"),
+        "m_grouped_fp8_gemm_nt_contiguous": _M_GROUPED_25[:-1] + (
+            "ensure_zero_padding", "expected_m_for_psum_layout", "epilogue_class"),
+        "m_grouped_bf16_gemm_nt_contiguous": ("a", "b", "d", "grouped_layout", "compiled_dims",
+                                              "use_psum_layout", "ensure_zero_padding",
+                                              "expected_m_for_psum_layout", "epilogue_class"),
+        "k_grouped_fp8_gemm_nt_contiguous": ("a", "b", "d", "ks_cpu", "grouped_layout", "c", "recipe",
+                                             "compiled_dims", "use_psum_layout", "epilogue_class"),
+        "bf16_gemm_nt": ("a", "b", "d", "c", "compiled_dims", "alpha", "epilogue_class"),
+        "einsum": ("expr", "a", "b", "d", "c", "epilogue_class"),
+        "batched_syrk": ("a", "d"),
+        "batched_symm": ("a", "b", "d"),
+        "use_deterministic_algorithms": ("enabled",),
+        "shutdown": (),
+    },
 }
+_API_SYMBOLS = tuple(dict.fromkeys(n for era in _ERAS.values() for n in era))
 
 
 def _find(dg: Any, name: str) -> Callable | None:
@@ -335,8 +408,14 @@ def _version_tuple(text: str) -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-@functools.cache
+_API: list = [None, None]   # (module, its Api): read once per module
+
+
 def api() -> Api | None:
     """The installed DeepGEMM's Api (None when none imports)."""
     dg = module()
-    return None if dg is None else Api.of(dg)
+    if dg is None:
+        return None
+    if _API[0] is not dg:
+        _API[:] = [dg, Api.of(dg, version())]
+    return _API[1]

@@ -73,9 +73,14 @@ class Target:
     platform: str    # "cuda" or "cpu"
     arch: str        # "sm90", "sm100", ...; the references emulate contracts.EMULATED_ARCH
     num_sms: int
-    # (major, minor) of the installed DeepGEMM on "deep_gemm"; the references emulate
-    # contracts.EMULATED_VERSION
-    version: tuple[int, int] = contracts.EMULATED_VERSION
+    # What the DeepGEMM the call reaches offers (backends.deep_gemm.Api): the installed one on
+    # "deep_gemm"; the emulated one elsewhere (backends.emulated: 2.5's unless set)
+    api: deep_gemm.Api = deep_gemm.Api.emulating(contracts.EMULATED_VERSION)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """(major, minor) of the DeepGEMM whose contract and layouts apply."""
+        return self.api.version
 
 
 def target() -> Target:
@@ -93,5 +98,5 @@ def target() -> Target:
     if concrete == "deep_gemm" and where == "cuda":
         dg = deep_gemm.module()
         if dg is not None:
-            return Target(concrete, where, family(), int(dg.get_num_sms()), deep_gemm.version_tuple())
-    return Target(concrete, where, contracts.EMULATED_ARCH, emulated.get_num_sms())
+            return Target(concrete, where, family(), int(dg.get_num_sms()), deep_gemm.api())
+    return Target(concrete, where, contracts.EMULATED_ARCH, emulated.get_num_sms(), emulated.api())

@@ -32,6 +32,13 @@ class Dispatch:
     why: str
     graph: bool = False        # lowered to the command-buffer-compatible target
     error: Exception | None = None
+    # the backend the call-site record names (what `kernels` gives the run function): `runs`,
+    # or "torch@2.8" where the emulation presents another release than 2.5
+    record: str = ""
+
+    @property
+    def backend(self) -> str:
+        return self.record or self.runs
 
     def check(self) -> "Dispatch":
         """Raises the resolution's error, if any (at trace time)."""
@@ -52,6 +59,9 @@ def kernels(op, backend: str):
     """The kernel namespace `op`'s run function calls for `backend`, the concrete one a
     call-site record carries: the torch emulation (DeepGEMM's API in plain torch), or the
     DeepGEMM symbols `symbols` resolves (one missing raises, naming it)."""
+    if backend == "torch@2.8":   # the emulation presenting 2.8, through the adapters 2.8 gets
+        from jax_dg.backends.torch_emu import v28
+        return deep_gemm.adapted(v28)
     if backend == "torch":
         from jax_dg.backends import torch_emu
         return torch_emu
@@ -107,10 +117,18 @@ def _resolve(op, given: Sequence[str], t: Target, requested: str) -> Dispatch:
             f"jax_dg: `{op.name}` runs {what} through the bridge ({selection.asked_by(requested)}), which "
             f"needs torch; {optional.HINT}. Without torch, use_backend('xla') runs the pure-JAX "
             "reference."))
+    gone = [s for s in op.symbols if t.api.lacks(s)]
+    if t.backend == "torch" and gone:   # the emulation presents the API of a release (emulated)
+        return Dispatch("raises", f"emulated DeepGEMM {t.api.release} lacks {', '.join(gone)}",
+                        error=RuntimeError(
+            f"jax_dg: `{op.name}` calls DeepGEMM's {', '.join(gone)}, which DeepGEMM "
+            f"{t.api.release} (the release the torch emulation presents) does not have"))
     if t.backend == "torch":
         why = ("torch emulation through the bridge" +
                (f" ({selection.asked_by(requested)})" if requested == "torch" else f" ({t.platform}: no CUDA device)"))
-        return Dispatch("torch", why + mine, graph="torch" in op.graph_safe)
+        record = "" if t.version == (2, 5) else f"torch@{t.api.release}"
+        return Dispatch("torch", why + mine + (f", presenting DeepGEMM {t.api.release}" if record else ""),
+                        graph="torch" in op.graph_safe, record=record)
     archs = needs(op, given)
     if t.arch not in archs:
         with_args = [a for a in given if a in op.arg_archs]

@@ -226,7 +226,7 @@ class Call:
         target = op.ffi_name + (registry.GRAPH_SUFFIX if graph else "")
 
         def site_of(full, plan):
-            return Site(op.name, how.runs, tuple(a is not None for a in full), graph,
+            return Site(op.name, how.backend, tuple(a is not None for a in full), graph,
                         pick(op.run, {**static, **plan})).encode()
         here = (self.types, self.plan, site_of(self.arrays, self.plan))
 

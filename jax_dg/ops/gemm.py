@@ -9,6 +9,7 @@ import numpy as np
 
 from jax_dg import contracts
 from jax_dg.contracts import align, cdiv
+from jax_dg.core import device
 from jax_dg.core.checks import ArgumentError, Checker
 from jax_dg.core.op import REQUIRED, Op, bcast, exposes, fold_rows, shaped
 from jax_dg.core.sharding import Layout, Sharding
@@ -372,6 +373,8 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None, compiled_dims=None) 
        its buffer); None: zeros there.
     compiled_dims: as for fp8_gemm_nt.
     Returns d bfloat16 [M, N + N / (left + right) * mid], fully defined.
+    DeepGEMM 2.8 has no such kernel: there fp8_gemm_nt writes [M, N] and XLA writes its columns
+    around each head's middle (one pass over d, in place where d is donated).
     """
     ck = Checker("fp8_gemm_nt_skip_head_mid")
     av, sfa = ck.pair(a, "a")
@@ -383,9 +386,24 @@ def fp8_gemm_nt_skip_head_mid(a, b, head_splits, *, d=None, compiled_dims=None) 
         ck.that(n % (splits[0] + splits[2]) == 0, "head_splits",
                 f"must have left + right = {splits[0] + splits[2]} dividing b's N = {n}", head_splits)
         d = jnp.zeros((m, n + n // (splits[0] + splits[2]) * splits[1]), BF16)
+    if device.target().api.lacks("fp8_gemm_nt_skip_head_mid"):
+        return _around_heads_mid(fp8_gemm_nt(a, b, compiled_dims=compiled_dims), d, splits)
     (out,) = FP8_GEMM_NT_SKIP_HEAD_MID(av, mn_major_physical(sfa), bv, sfb, d, head_splits=splits,
                                        recipe=RECIPE_BLOCK, compiled_dims=ck.compiled_dims(compiled_dims))
     return out
+
+
+def _around_heads_mid(y, d, splits):
+    """d with y's [M, N] columns written around each head's middle (heads of left + right)."""
+    left, mid, right = splits
+    ck = Checker("fp8_gemm_nt_skip_head_mid")
+    m, n = y.shape
+    heads = n // (left + right)
+    ck.tensor(d, "d", [BF16], (m, n + heads * mid), f"[M, N + N / (left + right) * mid] = "
+              f"[{m}, {n + heads * mid}]")
+    y, dh = y.reshape(m, heads, left + right), d.reshape(m, heads, left + mid + right)
+    dh = dh.at[:, :, :left].set(y[..., :left]).at[:, :, left + mid:].set(y[..., left:])
+    return dh.reshape(d.shape)
 
 
 # --- BF16: DeepGEMM's kernels and cuBLASLt, in all four storages ------------------------------

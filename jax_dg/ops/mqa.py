@@ -33,8 +33,6 @@ __all__ = ["fp8_fp4_mqa_logits", "fp8_fp4_sparse_mqa_logits", "get_sparse_mqa_lo
 FP8 = jnp.float8_e4m3fn
 F32 = jnp.float32
 I32 = jnp.int32
-# DeepGEMM 2.5.0's SM90 kernel (measured): H in {16, 32, 64}; upstream DeepGEMM takes 32 and 64.
-HEADS = (16, 32, 64)
 HEAD_DIMS = (32, 64, 128)
 NEG_INF = float("-inf")
 
@@ -63,8 +61,10 @@ def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, target, max_seqlen_k, l
     ck.ndim(q, "q[0]", 3, "[M, H, D]")
     ck.dtype(q, "q[0]", FP8)
     m, h, d = q.shape
-    ck.that(h in HEADS, "q[0]", f"must have H (heads) in {HEADS} (DeepGEMM's SM90 kernel; "
-            "upstream DeepGEMM takes 32 or 64)", h)
+    api = target.api
+    heads = api.sm90_mqa_heads
+    ck.that(h in heads, "q[0]", f"must have H (heads) in {heads} (the SM90 kernel of DeepGEMM "
+            f"{api.release}; 2.5.0's also ran 16; pad the heads with zero weights otherwise)", h)
     ck.that(d in HEAD_DIMS, "q[0]", f"must have D (head dim) in {HEAD_DIMS}", d)
     ck.ndim(kv, "kv[0]", 2, "[N, D]")
     ck.dtype(kv, "kv[0]", FP8)
@@ -74,15 +74,21 @@ def _mqa_logits_shapes(q, kv, kv_sf, weights, ks, ke, *, target, max_seqlen_k, l
     ck.tensor(weights, "weights", [F32], (m, h), "[M, H]")
     ck.tensor(ks, "cu_seqlen_ks", [I32], (m,), "[M]")
     ck.tensor(ke, "cu_seqlen_ke", [I32], (m,), "[M]")
+    # What the kernel is asked for: the form and type asked, where the target's DeepGEMM has
+    # them; else (2.8) the compressed form N wide and float32, which the finish turns into what
+    # was asked (kernel_width 0: the full form written)
+    kernel_width = max_seqlen_k or (0 if api.mqa_full_form else n)
+    kernel_dtype = logits_dtype if logits_dtype in api.logits_dtypes(FP8_MQA_LOGITS.name) else "float32"
     # the layout of the target's DeepGEMM (the references keep 2.5's); the plan: whether
     # DeepGEMM's allocation lands in the result (contracts.lands)
     rows, stride = contracts.mqa_logits_layout(
-        m, h, n, max_seqlen_k, contracts.logits_stride_align(target.version, logits_dtype))
-    return shaped([logits_buffer(target, rows, stride, logits_dtype)],
-                  lands=contracts.lands(rows, target.platform == "cuda"))
+        m, h, n, kernel_width, contracts.logits_stride_align(target.version, kernel_dtype))
+    return shaped([logits_buffer(target, rows, stride, kernel_dtype)],
+                  lands=contracts.lands(rows, target.platform == "cuda"),
+                  kernel_width=kernel_width, kernel_dtype=kernel_dtype)
 
 
-def _mqa_logits_run(rt, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, lands, logits_dtype):
+def _mqa_logits_run(rt, q, kv, kv_sf, weights, ks, ke, out, *, lands, kernel_width, kernel_dtype):
     # DeepGEMM writes its own allocation: land it in `out`. Keywords from the 6th argument on:
     # DeepGEMM >= 2.8 takes max_seqlen_k 6th, 2.5 takes clean_logits there (a positional int
     # would turn into clean_logits=True); >= 2.8 has no clean_logits at all (backends.deep_gemm
@@ -90,8 +96,8 @@ def _mqa_logits_run(rt, q, kv, kv_sf, weights, ks, ke, out, *, max_seqlen_k, lan
     # compressed form, and jax_dg's -inf kernel (the op's finish) writes the same positions in
     # every version.
     rt.land(out, lambda: rt.dg.fp8_fp4_mqa_logits(
-        (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=max_seqlen_k,
-        logits_dtype=rt.dtype(logits_dtype)), lands)
+        (q, None), (kv, kv_sf), weights, ks, ke, clean_logits=False, max_seqlen_k=kernel_width,
+        logits_dtype=rt.dtype(kernel_dtype)), lands)
 
 
 def compressed_lens(ks, ke, num_keys: int):
@@ -100,15 +106,28 @@ def compressed_lens(ks, ke, num_keys: int):
     return jnp.minimum(ke, num_keys) - ks
 
 
-def _mqa_logits_finish(outs, inputs, *, max_seqlen_k, clean_logits):
+def _mqa_logits_finish(outs, inputs, *, max_seqlen_k, clean_logits, logits_dtype, kernel_width,
+                       kernel_dtype):
     """The [M, width] block of the padded buffer; with clean_logits, -inf written first (in
-    place, jax_dg's own kernel) outside [ks, ke), or past column ke - ks in the compressed form."""
+    place, jax_dg's own kernel) outside [ks, ke), or past column ke - ks in the compressed form.
+    Where the target's DeepGEMM has no full form (2.8) the full [M, N] block is gathered from
+    the compressed one the kernel wrote (column j of row i: column j - ks there; -inf outside
+    [ks, ke), which clean_logits=False leaves unspecified anyway), and bfloat16 logits it cannot
+    write are rounded from its float32 ones: one pass each, fused by XLA with the slice."""
     (buf,) = outs
-    m, cols = inputs["q"].shape[0], max_seqlen_k or inputs["kv"].shape[0]
-    if clean_logits:
-        buf = native.neg_inf_outside(buf, inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"],
-                                     cols=cols, relative=bool(max_seqlen_k))
-    return (buf[:m, :cols],)
+    ks, ke = inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"]
+    m, n = inputs["q"].shape[0], inputs["kv"].shape[0]
+    if max_seqlen_k or not kernel_width:
+        cols = max_seqlen_k or n
+        if clean_logits:
+            buf = native.neg_inf_outside(buf, ks, ke, cols=cols, relative=bool(max_seqlen_k))
+        out = buf[:m, :cols]
+    else:   # the full form from the compressed one, n wide
+        key = jnp.arange(n, dtype=I32)[None, :]
+        col = jnp.clip(key - ks[:, None], 0, n - 1)
+        valid = (key >= ks[:, None]) & (key < ke[:, None])
+        out = jnp.where(valid, jnp.take_along_axis(buf[:m, :n], col, axis=1), NEG_INF)
+    return (out.astype(logits_dtype) if logits_dtype != kernel_dtype else out,)
 
 
 def _mqa_logits_reference(q, kv, kv_sf, weights, ks, ke, *, max_seqlen_k, logits_dtype):

@@ -69,17 +69,29 @@ SPARSE_KERNELS = ("fp8_fp4_sparse_mqa_logits", "fp8_fp4_paged_sparse_mqa_logits"
                   "get_sparse_mqa_logits_metadata", "get_paged_sparse_mqa_logits_metadata")
 
 
+def next_n_ok(t: device.Target, next_n: int) -> bool:
+    """Whether target `t`'s paged kernel takes next_n query rows per request."""
+    if t.arch == "sm90":
+        return next_n in t.api.sm90_paged_next_n
+    return contracts.next_n_ok(next_n, t.arch)
+
+
+def page_sizes(t: device.Target) -> tuple[int, ...]:
+    """KV block sizes (tokens) target `t`'s paged kernels take."""
+    return t.api.sm90_page_sizes if t.arch == "sm90" else contracts.page_sizes(t.arch)
+
+
 def native_next_n_supported(next_n: int) -> bool:
     """Whether the target's paged MQA-logits kernel takes next_n query rows per request.
-    SM90 implements 1, 2 and 4; SM100/SM120 any. Otherwise flatten to one row per query."""
-    return contracts.next_n_ok(Checker("native_next_n_supported").static_int(next_n, "next_n", 1),
-                               device.target().arch)
+    SM90 implements 1, 2 and 4 (DeepGEMM 2.8: 1 and 2); SM100/SM120 any. Otherwise flatten to
+    one row per query."""
+    return next_n_ok(device.target(), Checker("native_next_n_supported").static_int(next_n, "next_n", 1))
 
 
 def get_paged_mqa_page_sizes() -> tuple[int, ...]:
-    """KV block sizes (tokens) the target's paged MQA-logits kernels take: 32 and 64
-    (only 64 on SM120). Larger storage blocks must be split into one of these."""
-    return contracts.page_sizes(device.target().arch)
+    """KV block sizes (tokens) the target's paged MQA-logits kernels take: 32 and 64 (DeepGEMM
+    2.8 on SM90, and SM120: only 64). Larger storage blocks must be split into one of these."""
+    return page_sizes(device.target())
 
 
 def mqa_logits_use_mx_scales() -> bool:
@@ -193,7 +205,7 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
     ck.that(context_lens.shape[0] >= 1, "context_lens", "must have at least one row",
             tuple(context_lens.shape))
     block_size = ck.static_int(block_size, "block_size")
-    sizes = contracts.page_sizes(t.arch)
+    sizes = page_sizes(t)
     ck.that(block_size in sizes, "block_size", f"must be one of {sizes} on {t.arch}", block_size)
     num_sms = t.num_sms if num_sms is None else ck.static_int(num_sms, "num_sms", 1)
     lens = context_lens if context_lens.ndim == 2 else context_lens[:, None]
@@ -212,16 +224,19 @@ def get_paged_mqa_logits_metadata(context_lens: jax.Array, block_size: int, num_
 def _logits_shapes(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
                    indices, *, target, max_model_len, slots, logits_dtype):
     rows = q.shape[0] * q.shape[1]
+    # bfloat16 where the target's kernel writes it; else (2.8 on SM90) float32, rounded after
+    kernel_dtype = (logits_dtype if logits_dtype in target.api.logits_dtypes(PAGED_MQA_LOGITS.name)
+                    else "float32")
     layout = contracts.paged_logits_layout(
-        rows, max_model_len, contracts.logits_stride_align(target.version, logits_dtype))
+        rows, max_model_len, contracts.logits_stride_align(target.version, kernel_dtype))
     # no schedule given: the call makes one, in a second result (a scratch the finish drops)
     scratch = [schedule_buffer(target, slots)] if schedule_metadata is None else []
-    return shaped([logits_buffer(target, *layout, logits_dtype)] + scratch,
-                  lands=contracts.lands(rows, target.platform == "cuda"))
+    return shaped([logits_buffer(target, *layout, kernel_dtype)] + scratch,
+                  lands=contracts.lands(rows, target.platform == "cuda"), kernel_dtype=kernel_dtype)
 
 
 def _logits_run(rt, q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-                indices, out, schedule=None, *, max_model_len, slots, lands, logits_dtype):
+                indices, out, schedule=None, *, max_model_len, slots, lands, kernel_dtype):
     kw = {} if indices is None else {"indices": indices}
     if schedule_metadata is None:   # absent (a trace-time fact): the schedule of exactly these rows
         rt.land(schedule, lambda: rt.dg.get_paged_mqa_logits_metadata(
@@ -231,17 +246,19 @@ def _logits_run(rt, q, q_sf, kv_cache, weights, context_lens, block_tables, sche
     # arguments after the 7th changed meaning across DeepGEMM releases.
     rt.land(out, lambda: rt.dg.fp8_fp4_paged_mqa_logits(
         (q, q_sf), kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len, clean_logits=False, logits_dtype=rt.dtype(logits_dtype), **kw), lands)
+        max_model_len, clean_logits=False, logits_dtype=rt.dtype(kernel_dtype), **kw), lands)
 
 
-def _logits_finish(outs, inputs, *, max_model_len, clean_logits):
+def _logits_finish(outs, inputs, *, max_model_len, clean_logits, logits_dtype, kernel_dtype):
     """The [B * next_n, max_model_len] block; with clean_logits, -inf past each row's length
-    written first (in place, jax_dg's own kernel)."""
+    written first (in place, jax_dg's own kernel); bfloat16 logits the target's kernel cannot
+    write (2.8 on SM90) rounded from its float32 ones, fused by XLA with the slice."""
     buf = outs[0]   # [1]: the schedule made in the call, if any
     lens = inputs["context_lens"].reshape(-1)
     if clean_logits:
         buf = native.neg_inf_outside(buf, None, lens, cols=max_model_len, relative=False)
-    return (buf[:lens.shape[0], :max_model_len],)
+    out = buf[:lens.shape[0], :max_model_len]
+    return (out.astype(logits_dtype) if logits_dtype != kernel_dtype else out,)
 
 
 def _logits_reference(q, q_sf, kv_cache, weights, context_lens, block_tables, schedule_metadata,
@@ -319,16 +336,18 @@ def paged_arguments(name, t: device.Target, q, kv_cache, weights, context_lens, 
     ck.that(d in (32, 64, 128), "q[0]", "must have head dim D in (32, 64, 128)", d)
     ck.that(h in (32, 64), "q[0]", "must have H in (32, 64) heads (DeepGEMM's paged kernels)", h)
     ck.that(b >= 1, "q[0]", "must have at least one request (B >= 1)", tuple(qv.shape))
-    ck.that(contracts.next_n_ok(next_n, t.arch), "q[0]",
-            f"must have next_n in (1, 2, 4) on {t.arch}; flatten other next_n to one row per "
-            "query (next_n = 1)", next_n)
+    ck.that(next_n_ok(t, next_n), "q[0]",
+            f"must have next_n in {t.api.sm90_paged_next_n} on sm90 (DeepGEMM {t.api.release}); "
+            "flatten other next_n to one row per query (next_n = 1)" if t.arch == "sm90" else
+            f"must have next_n >= 1 on {t.arch}", next_n)
     mx = q_sf is not None
     if mx:  # the references emulate the target's contract: MX q scales are SM100's
         ck.that(t.arch == "sm100", "q[1]", f"must be None on {t.arch}: DeepGEMM's kernel there "
                 "takes no q scale (fold it into `weights`)")
         ck.tensor(q_sf, "q[1]", [I32], (b, next_n, h), "[B, next_n, H] (packed UE8M0)")
         ck.that(d == contracts.MX_HEAD_DIM, "q[0]", "must have D = 128 with MX scales", d)
-    nb, blk, _ = check_kv_cache(ck, kv_cache, d=d, block_sizes=contracts.page_sizes(t.arch), where=t.arch)
+    nb, blk, _ = check_kv_cache(ck, kv_cache, d=d, block_sizes=page_sizes(t),
+                                where=f"{t.arch} (DeepGEMM {t.api.release})" if t.arch == "sm90" else t.arch)
     w_dtypes = [F32, jnp.bfloat16] if t.arch == "sm100" else [F32]
     ck.tensor(weights, "weights", w_dtypes, (b * next_n, h), "[B * next_n, H]")
     _check_context_lens(ck, context_lens, b)
@@ -344,6 +363,9 @@ def paged_arguments(name, t: device.Target, q, kv_cache, weights, context_lens, 
     max_model_len = ck.static_int(max_model_len, "max_model_len", 1)
     if indices is not None:
         _check_indices(ck, indices, b, next_n)
+        ck.that(t.arch != "sm90" or t.api.sm90_paged_varlen, "indices", "must be None on sm90 "
+                f"with DeepGEMM {t.api.release} (its varlen form is SM100's): pass a [B, next_n] "
+                "context_lens instead")
     slots = contracts.schedule_slots(t.num_sms, next_n, t.arch, varlen=indices is not None)
     if schedule_metadata is not None:
         ck.tensor(schedule_metadata, "schedule_metadata", [I32], (slots + 1, 2),

@@ -156,14 +156,16 @@ def _logits_static(*, k, sorted, max_seqlen_k, **plan) -> dict:
     return dict(max_seqlen_k=max_seqlen_k, clean_logits=False, logits_dtype="float32", **plan)
 
 
-def _indexer_finish(outs, inputs, *, k, sorted, max_seqlen_k):
+def _indexer_finish(outs, inputs, *, k, sorted, kernel_width):
+    """Top-k over the scratch as the kernel wrote it: the full form (kernel_width 0), or the
+    compressed one (asked for, or DeepGEMM 2.8's only form), whose column t is key ks + t."""
     (scratch,) = outs
     ks, ke, n = inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"], inputs["kv"].shape[0]
     m = inputs["q"].shape[0]
-    if not max_seqlen_k:
+    if not kernel_width:
         return (native.topk(scratch, ks, ke, k=k, cols=n, sorted=sorted, rows=m),)
     # compressed: column t is key ks + t, written for t < lens
-    idx = native.topk(scratch, None, mqa.compressed_lens(ks, ke, n), k=k, cols=max_seqlen_k,
+    idx = native.topk(scratch, None, mqa.compressed_lens(ks, ke, n), k=k, cols=kernel_width,
                       sorted=sorted, rows=m)
     return (_offset(idx, ks),)
 

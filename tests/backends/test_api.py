@@ -52,11 +52,9 @@ def installed(monkeypatch):
     """Makes `mod` the installed deep_gemm for lookup()/api()."""
     def install(mod):
         monkeypatch.setattr(dgb, "module", lambda: mod)
-        dgb.api.cache_clear()
         standins.CALLS.clear()
         return mod
     yield install
-    dgb.api.cache_clear()
 
 
 def _last_call():

@@ -87,8 +87,10 @@ def test_layout_follows_the_element_size():
 
 
 def test_mqa_layout_of_a_newer_deep_gemm_is_declared(monkeypatch):
-    """With DeepGEMM >= 2.6 as the traced backend the bfloat16 rows are 512-element aligned:
-    the target carries the installed DeepGEMM's version, the shape rule reads it."""
+    """The shape rule declares the buffer the target's DeepGEMM writes: from 2.6 on rows of a
+    multiple of 1024 bytes (bfloat16: 512 elements); 2.8 has no full form and no bfloat16 (the
+    kernel writes the compressed form N wide in float32, which the finish turns into what was
+    asked). The target carries the installed DeepGEMM's version, the shape rule reads it."""
     from jax_dg.core import device
     from jax_dg.ops import mqa
     monkeypatch.setattr(dgb, "version", lambda: "2.8.2")
@@ -101,12 +103,15 @@ def test_mqa_layout_of_a_newer_deep_gemm_is_declared(monkeypatch):
              jax.ShapeDtypeStruct((700,), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32),
              jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.int32))
 
-    def stride(version, dtype):
-        t = device.Target("deep_gemm", "cpu", "sm90", 132, version)
+    def layout(version, dtype):
+        t = device.Target("deep_gemm", "cpu", "sm90", 132, dgb.Api.emulating(version))
         static = mqa.FP8_MQA_LOGITS.complete(dict(max_seqlen_k=0, clean_logits=True, logits_dtype=dtype))
-        return mqa.FP8_MQA_LOGITS.shape(avals, static, t).types[0].shape[1]
-    assert stride((2, 8), "bfloat16") == 1024 and stride((2, 8), "float32") == 1024
-    assert stride((2, 5), "bfloat16") == 960 and stride((2, 5), "float32") == 960
+        shaped = mqa.FP8_MQA_LOGITS.shape(avals, static, t)
+        return shaped.types[0].shape[1], str(shaped.types[0].dtype), shaped.plan["kernel_width"]
+    assert layout((2, 6), "bfloat16") == (1024, "bfloat16", 0)
+    assert layout((2, 6), "float32") == (1024, "float32", 0)
+    assert layout((2, 8), "bfloat16") == layout((2, 8), "float32") == (768, "float32", 700)
+    assert layout((2, 5), "bfloat16") == (960, "bfloat16", 0) and layout((2, 5), "float32")[0] == 960
 
 
 def test_topk_takes_bf16_logits(keys):
