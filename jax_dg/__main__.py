@@ -45,11 +45,14 @@ def op_status(op, platform_name: str, family: str | None, backend: str) -> tuple
     """(what a call does here: one of MODES, why) for one Op record, as
     jax_dg.core.dispatch.resolve decides it for a call traced on this platform."""
     from jax_dg import contracts
+    from jax_dg.backends import deep_gemm, emulated
     from jax_dg.core import backend as selection
     from jax_dg.core import dispatch
     from jax_dg.core.device import Target
     where = "cuda" if platform_name == "gpu" else platform_name
-    t = Target(selection.concrete(backend, where), where, family or contracts.EMULATED_ARCH, 0)
+    concrete = selection.concrete(backend, where)
+    api = (deep_gemm.api() if concrete == "deep_gemm" and where == "cuda" else None) or emulated.api()
+    t = Target(concrete, where, family or contracts.EMULATED_ARCH, 0, api)
     how = dispatch.resolve(op, (), t, requested=backend)
     if how.runs == "raises":
         return "raises", f"{type(how.error).__name__}: {how.why}"
@@ -135,8 +138,11 @@ def collect() -> dict[str, Any]:
         info["deep_gemm"] = {"found": False, "why": deep_gemm.import_error(),
                              "installed": capability.has_deep_gemm(), "hint": deep_gemm.INSTALL_HINT}
     else:
+        api = deep_gemm.api()
         info["deep_gemm"] = {"found": True, "module": dg.__name__, "version": deep_gemm.version(),
-                             "path": os.path.dirname(getattr(dg, "__file__", "") or "")}
+                             "path": os.path.dirname(getattr(dg, "__file__", "") or ""),
+                             "release": api.release, "tested": not api.untested,
+                             "as": ".".join(map(str, api.era)), "facts": api.facts()}
     info["jit_cache_dir"] = warmup.cache_dir()
     info["e8m0_used"] = capability.is_deep_gemm_e8m0_used()
     info["scale_format"] = capability.DeepGemmQuantScaleFMT.from_oracle().name
@@ -165,6 +171,10 @@ def format_info(info: dict[str, Any]) -> str:
     dg = info["deep_gemm"]
     if dg["found"]:
         lines.append(f"deep_gemm     {dg['version']} ({dg['module']}) at {dg['path']}")
+        tested = ("tested" if dg["tested"] else
+                  f"newer than any tested: jax_dg calls it as {dg['as']}, where the calls still fit")
+        lines.append(f"              DeepGEMM {dg['release']} ({tested}): "
+                     + "; ".join(f"{k} {v}" for k, v in dg["facts"].items()))
     else:
         lines.append(f"deep_gemm     not found: {dg['why']}")
         if any(d["platform"] == "gpu" for d in info["devices"]):   # needed on a GPU only

@@ -339,6 +339,19 @@ class Api:
         """Whether the SM90 paged kernels take the varlen form (`indices`; 2.8: SM100 only)."""
         return self.era < (2, 8)
 
+    def facts(self) -> dict[str, str]:
+        """What the ops plan with, in words (`python -m jax_dg info`)."""
+        return {
+            "mqa logits": ("full and compressed forms" if self.mqa_full_form else
+                           "compressed form only (the full form gathered from it)")
+                          + ", " + "/".join(self.logits_dtypes("fp8_fp4_mqa_logits"))
+                          + f", SM90 heads {self.sm90_mqa_heads}",
+            "paged logits": "/".join(self.logits_dtypes("fp8_fp4_paged_mqa_logits"))
+                            + f", SM90 next_n {self.sm90_paged_next_n}, blocks {self.sm90_page_sizes}",
+            "skip_head_mid": "DeepGEMM's" if self.has("fp8_gemm_nt_skip_head_mid")
+                             else "fp8_gemm_nt, then XLA",
+        }
+
     @property
     def ensure_zero_padding(self) -> bool:
         """m-grouped contiguous GEMMs zero the padding rows themselves when asked (2.8)."""

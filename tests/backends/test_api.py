@@ -95,3 +95,16 @@ def test_paged_and_einsum_calls(installed, version):
 def test_api_of_the_installed(installed):
     installed(standins.deep_gemm_28())
     assert dgb.api().version == (2, 8) and dgb.api() is dgb.api()
+
+
+@pytest.mark.parametrize("version,tested", [("2.8.2.post20261020", True), ("2.9.0", False)])
+def test_info_reports_the_release_and_what_the_ops_plan_with(installed, version, tested):
+    from jax_dg.__main__ import collect, format_info
+    installed(standins.deep_gemm_28(version))
+    info = collect()
+    dg = info["deep_gemm"]
+    assert dg["release"] == version[:3] and dg["tested"] is tested and dg["as"] == "2.8"
+    assert "compressed form only" in dg["facts"]["mqa logits"]
+    text = format_info(info)
+    assert f"DeepGEMM {version[:3]} (" in text
+    assert ("newer than any tested" in text) is not tested
