@@ -59,8 +59,9 @@ install_wheel() {  # install_wheel PY VENV: sdist, a wheel from it with build is
   echo "== sdist $(basename "$venv"/dist/jax_dg-*.tar.gz): $(( $(stat -c %s "$venv"/dist/jax_dg-*.tar.gz) / 1024 )) KiB"
   local whl
   whl=$(echo "$venv"/dist/jax_dg-*.whl)
-  # Exactly the package's sources and its two FFI modules, plus the metadata: no tests, no build junk.
-  "$py" - "$whl" $(find jax_dg -name '*.py' -not -path '*/__pycache__/*') <<'PY'
+  # Exactly the package's sources (its Python, and the C++ of DeepGEMM's native calls, built on
+  # first use) and its two FFI modules, plus the metadata: no tests, no build junk.
+  "$py" - "$whl" $(find jax_dg \( -name '*.py' -o -name '*.cc' \) -not -path '*/__pycache__/*') <<'PY'
 import os, sys, zipfile
 whl, sources = sys.argv[1], set(sys.argv[2:])
 infos = zipfile.ZipFile(whl).infolist()

@@ -161,10 +161,11 @@ def test_the_layout_shows_the_layers():
     assert folders == ["backends", "core", "nn", "operands", "ops", "reference", "runtime", "tools"]
 
 
-# The modules that may import torch: the run-time half, the torch emulation, the torch interop
-# (its purpose), and `info`, which reports torch's version.
-TORCH_MODULES = ("jax_dg.runtime", "jax_dg.backends.torch_emu", "jax_dg.tools.interop",
-                 "jax_dg.__main__")
+# The modules that may import torch: the run-time half, the torch emulation, DeepGEMM's native
+# calls (built against torch on first use), the torch interop (its purpose), and `info`, which
+# reports torch's version.
+TORCH_MODULES = ("jax_dg.runtime", "jax_dg.backends.torch_emu", "jax_dg.backends.deep_gemm_native",
+                 "jax_dg.tools.interop", "jax_dg.__main__")
 
 
 def torch_importers() -> set[str]:
